@@ -1,0 +1,336 @@
+"""A Llama-style decoder in Flax Linen: RMSNorm, RoPE, grouped-query attention, SwiGLU.
+
+Layers are stacked and scanned (`nn.scan`), so compile time does not grow with depth.
+Parameters carry logical axis names; `rl_scaling.sharding` maps them onto a mesh.
+
+Shape letters used in tensor names:
+  B batch, T new tokens in this call, S key/value cache length, D d_model,
+  N query heads, K key/value heads, G query heads per key/value head (N = K*G),
+  H head dim, F MLP hidden, V vocabulary, L layers.
+
+One entry point serves training, prefill and decoding:
+  logits_BTV, cache = model.apply(params, tokens_BT, positions_BT, token_mask_BT, cache)
+With `cache=None` attention is causal over the call's own tokens (training). With a
+cache, the T new tokens are written at each row's `cache["index"]` slot and attend
+to every valid slot up to their own (prefill and decode, per-row offsets, so a
+JetStream slot can be at any position).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import linen as nn
+
+DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    vocab_size: int
+    d_model: int
+    n_layers: int
+    n_heads: int
+    n_kv_heads: int
+    head_dim: int
+    mlp_dim: int
+    rope_theta: float = 10000.0
+    norm_eps: float = 1e-5
+    dtype: str = "float32"  # activations and matmuls of the body
+    param_dtype: str = "float32"
+    fp32_lm_head: bool = True  # logits in float32 even when the body runs in bfloat16
+    tie_embeddings: bool = False
+    remat: bool = False
+    # Mixture of experts (0 experts = dense SwiGLU in every layer); see moe.py.
+    num_experts: int = 0
+    num_experts_per_tok: int = 1
+    moe_mlp_dim: int = 0
+    shared_expert: bool = True
+    router_aux_loss_coef: float = 0.0
+    moe_impl: str = "ragged"  # "ragged": dropless grouped matmul; "dense": every expert on every token (test oracle)
+    # Llama-4 attention details (off for Llama-3 shapes).
+    nope_layer_interval: int = 0  # every n-th layer uses no RoPE (Llama 4: 4)
+    attention_chunk_size: int = 0  # RoPE layers attend within chunks (Llama 4: 8192)
+    use_qk_norm: bool = False  # L2-normalize q and k on RoPE layers (Llama 4)
+    attn_temperature_tuning: bool = False  # scale q on NoPE layers at long context (Llama 4)
+    floor_scale: float = 8192.0
+    attn_scale: float = 0.1
+    rope_scaling: Any = None  # Llama-3.1 style frequency scaling dict, or None
+
+    def __post_init__(self):
+        for name in ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "head_dim", "mlp_dim"):
+            if int(getattr(self, name)) <= 0:
+                raise ValueError(f"model.{name} must be positive, got {getattr(self, name)}")
+        if self.n_heads % self.n_kv_heads:
+            raise ValueError(
+                f"model.n_heads ({self.n_heads}) must be a multiple of model.n_kv_heads ({self.n_kv_heads})"
+            )
+        for name in ("dtype", "param_dtype"):
+            if getattr(self, name) not in DTYPES:
+                raise ValueError(f"model.{name} must be one of {sorted(DTYPES)}, got {getattr(self, name)!r}")
+
+
+def _dense_init():
+    return nn.initializers.variance_scaling(1.0, "fan_in", "truncated_normal")
+
+
+class RMSNorm(nn.Module):
+    eps: float
+    dtype: Any
+
+    @nn.compact
+    def __call__(self, x):
+        scale = self.param("scale", nn.with_logical_partitioning(nn.initializers.ones, ("norm",)), (x.shape[-1],))
+        x32 = x.astype(jnp.float32)
+        y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+        return (y * scale.astype(jnp.float32)).astype(self.dtype)
+
+
+def rope_frequencies(cfg: ModelConfig):
+    inv_freq = 1.0 / (cfg.rope_theta ** (jnp.arange(0, cfg.head_dim, 2, dtype=jnp.float32) / cfg.head_dim))
+    scaling = cfg.rope_scaling
+    if scaling:  # Llama 3.1 long-context frequency scaling
+        factor = scaling["factor"]
+        low, high = scaling["low_freq_factor"], scaling["high_freq_factor"]
+        old_len = scaling["original_max_position_embeddings"]
+        wavelen = 2 * jnp.pi / inv_freq
+        smooth = (old_len / wavelen - low) / (high - low)
+        scaled = jnp.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
+        mid = (1 - smooth) * inv_freq / factor + smooth * inv_freq
+        is_mid = (wavelen <= old_len / low) & (wavelen >= old_len / high)
+        inv_freq = jnp.where(is_mid, mid, scaled)
+    return inv_freq
+
+
+def apply_rope(x_BTNH, positions_BT, inv_freq):
+    """Rotate-half RoPE (the HF Llama convention), computed in float32."""
+    angles_BTh = positions_BT[..., None].astype(jnp.float32) * inv_freq
+    sin, cos = jnp.sin(angles_BTh)[:, :, None, :], jnp.cos(angles_BTh)[:, :, None, :]
+    x = x_BTNH.astype(jnp.float32)
+    x1, x2 = jnp.split(x, 2, axis=-1)
+    out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+    return out.astype(x_BTNH.dtype)
+
+
+class Attention(nn.Module):
+    cfg: ModelConfig
+
+    @nn.compact
+    def __call__(self, x_BTD, positions_BT, mask_BTS, cache_kv, cache_index_B, use_rope):
+        cfg = self.cfg
+        dtype, pdtype = DTYPES[cfg.dtype], DTYPES[cfg.param_dtype]
+        K, G, H = cfg.n_kv_heads, cfg.n_heads // cfg.n_kv_heads, cfg.head_dim
+
+        def proj(name, heads, axes):
+            return nn.DenseGeneral(
+                (heads, H), dtype=dtype, param_dtype=pdtype, use_bias=False, name=name,
+                kernel_init=nn.with_logical_partitioning(_dense_init(), ("embed",) + axes),
+            )(x_BTD)
+
+        q_BTNH = proj("q", cfg.n_heads, ("heads", "head_dim"))
+        k_BTKH = proj("k", K, ("kv_heads", "head_dim"))
+        v_BTKH = proj("v", K, ("kv_heads", "head_dim"))
+        if use_rope:
+            inv_freq = rope_frequencies(cfg)
+            q_BTNH = apply_rope(q_BTNH, positions_BT, inv_freq)
+            k_BTKH = apply_rope(k_BTKH, positions_BT, inv_freq)
+            if cfg.use_qk_norm:
+                q_BTNH, k_BTKH = _l2_norm(q_BTNH, cfg.norm_eps), _l2_norm(k_BTKH, cfg.norm_eps)
+        elif cfg.attn_temperature_tuning:
+            scale = jnp.log1p(jnp.floor((positions_BT.astype(jnp.float32) + 1.0) / cfg.floor_scale))
+            q_BTNH = (q_BTNH * (scale * cfg.attn_scale + 1.0)[:, :, None, None]).astype(dtype)
+
+        if cache_kv is not None:  # write the new keys/values at each row's own offset
+            write = jax.vmap(lambda c, u, i: jax.lax.dynamic_update_slice(c, u.astype(c.dtype), (i, 0, 0)))
+            k_cache, v_cache = write(cache_kv[0], k_BTKH, cache_index_B), write(cache_kv[1], v_BTKH, cache_index_B)
+            k_BSKH, v_BSKH = k_cache.astype(dtype), v_cache.astype(dtype)
+            new_cache_kv = (k_cache, v_cache)
+        else:
+            k_BSKH, v_BSKH, new_cache_kv = k_BTKH, v_BTKH, None
+
+        B, T = x_BTD.shape[:2]
+        q_BTKGH = q_BTNH.reshape(B, T, K, G, H)
+        scores = jnp.einsum("btkgh,bskh->bkgts", q_BTKGH, k_BSKH, preferred_element_type=jnp.float32)
+        scores = scores * (H ** -0.5)
+        scores = jnp.where(mask_BTS[:, None, None], scores, jnp.finfo(jnp.float32).min)
+        probs = jax.nn.softmax(scores, axis=-1).astype(dtype)
+        out_BTKGH = jnp.einsum("bkgts,bskh->btkgh", probs, v_BSKH)
+        out_BTNH = out_BTKGH.reshape(B, T, cfg.n_heads, H)
+        out_BTD = nn.DenseGeneral(
+            cfg.d_model, axis=(-2, -1), dtype=dtype, param_dtype=pdtype, use_bias=False, name="o",
+            kernel_init=nn.with_logical_partitioning(_dense_init(), ("heads", "head_dim", "embed")),
+        )(out_BTNH)
+        return out_BTD, new_cache_kv
+
+
+def _l2_norm(x, eps):
+    x32 = x.astype(jnp.float32)
+    return (x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)).astype(x.dtype)
+
+
+class SwiGLU(nn.Module):
+    cfg: ModelConfig
+    hidden: int
+
+    @nn.compact
+    def __call__(self, x_BTD):
+        cfg = self.cfg
+        dtype, pdtype = DTYPES[cfg.dtype], DTYPES[cfg.param_dtype]
+
+        def dense(name, features, axes):
+            return nn.Dense(features, dtype=dtype, param_dtype=pdtype, use_bias=False, name=name,
+                            kernel_init=nn.with_logical_partitioning(_dense_init(), axes))
+
+        gate_BTF = dense("gate", self.hidden, ("embed", "mlp"))(x_BTD)
+        up_BTF = dense("up", self.hidden, ("embed", "mlp"))(x_BTD)
+        return dense("down", cfg.d_model, ("mlp", "embed"))(nn.silu(gate_BTF) * up_BTF)
+
+
+class Block(nn.Module):
+    """One decoder layer; scanned over the layer axis by `Decoder`."""
+
+    cfg: ModelConfig
+
+    @nn.compact
+    def __call__(self, x_BTD, layer_inputs, positions_BT, masks, cache_index_B):
+        cfg = self.cfg
+        dtype = DTYPES[cfg.dtype]
+        layer_idx, cache_kv = layer_inputs
+        x_BTD = nn.with_logical_constraint(x_BTD, ("batch", "length", "embed"))
+        h_BTD = RMSNorm(cfg.norm_eps, dtype, name="attn_norm")(x_BTD)
+        attn = Attention(cfg, name="attn")
+        if cfg.nope_layer_interval:
+            # Llama 4: every n-th layer has no RoPE and attends globally; the others are
+            # chunked. The layer index is a traced scan input, so both branches run and
+            # jnp.where keeps one (attention is a small share of the layer's FLOPs).
+            is_nope = (layer_idx + 1) % cfg.nope_layer_interval == 0
+            rope_out = attn(h_BTD, positions_BT, masks["local"], cache_kv, cache_index_B, True)
+            nope_out = attn(h_BTD, positions_BT, masks["global"], cache_kv, cache_index_B, False)
+            attn_BTD, new_kv = jax.tree.map(lambda a, b: jnp.where(is_nope, b, a), rope_out, nope_out)
+        else:
+            attn_BTD, new_kv = attn(h_BTD, positions_BT, masks["global"], cache_kv, cache_index_B, True)
+        x_BTD = x_BTD + attn_BTD
+        h_BTD = RMSNorm(cfg.norm_eps, dtype, name="mlp_norm")(x_BTD)
+        if cfg.num_experts:
+            from rl_scaling.policy import moe  # only MoE configs need it
+
+            mlp_BTD = moe.MoeMlp(cfg, name="moe")(h_BTD)
+        else:
+            mlp_BTD = SwiGLU(cfg, cfg.mlp_dim, name="mlp")(h_BTD)
+        x_BTD = x_BTD + mlp_BTD
+        return x_BTD, new_kv
+
+
+class Decoder(nn.Module):
+    cfg: ModelConfig
+
+    @nn.compact
+    def __call__(self, tokens_BT, positions_BT, token_mask_BT, cache=None):
+        cfg = self.cfg
+        dtype, pdtype = DTYPES[cfg.dtype], DTYPES[cfg.param_dtype]
+        embed = self.param(
+            "embed", nn.with_logical_partitioning(nn.initializers.normal(1.0), ("vocab", "embed")),
+            (cfg.vocab_size, cfg.d_model), pdtype,
+        )
+        x_BTD = jnp.take(embed, tokens_BT, axis=0).astype(dtype)
+
+        B, T = tokens_BT.shape
+        if cache is None:
+            cache_index_B = None
+            q_slot_BT = jnp.broadcast_to(jnp.arange(T), (B, T))
+            valid_BS, kv_slot_S, kv_pos_BS = token_mask_BT, jnp.arange(T), positions_BT
+            layer_kv = None
+            new_valid = None
+        else:
+            cache_index_B = cache["index"]
+            q_slot_BT = cache_index_B[:, None] + jnp.arange(T)
+            S = cache["valid"].shape[1]
+            write = jax.vmap(lambda c, u, i: jax.lax.dynamic_update_slice(c, u, (i,)))
+            new_valid = write(cache["valid"], token_mask_BT, cache_index_B)
+            new_pos = write(cache["pos"], positions_BT.astype(cache["pos"].dtype), cache_index_B)
+            valid_BS, kv_slot_S, kv_pos_BS = new_valid, jnp.arange(S), new_pos
+            layer_kv = (cache["k"], cache["v"])
+        causal_BTS = kv_slot_S[None, None, :] <= q_slot_BT[:, :, None]
+        global_BTS = causal_BTS & valid_BS[:, None, :]
+        masks = {"global": global_BTS}
+        if cfg.nope_layer_interval:
+            chunk = cfg.attention_chunk_size or (1 << 30)
+            same_chunk = (kv_pos_BS[:, None, :] // chunk) == (positions_BT[:, :, None] // chunk)
+            masks["local"] = global_BTS & same_chunk
+
+        block = Block
+        if cfg.remat:
+            block = nn.remat(Block, prevent_cse=False, static_argnums=())
+        layers = nn.scan(
+            block,
+            variable_axes={"params": 0, "intermediates": 0},
+            split_rngs={"params": True},
+            in_axes=(0, nn.broadcast, nn.broadcast, nn.broadcast),
+            length=cfg.n_layers,
+            metadata_params={nn.PARTITION_NAME: "layers"},
+        )(cfg, name="layers")
+        x_BTD, new_kv = layers(x_BTD, (jnp.arange(cfg.n_layers), layer_kv), positions_BT, masks, cache_index_B)
+        x_BTD = RMSNorm(cfg.norm_eps, dtype, name="final_norm")(x_BTD)
+
+        head_dtype = jnp.float32 if cfg.fp32_lm_head else dtype
+        if cfg.tie_embeddings:
+            kernel_DV = embed.T
+        else:
+            kernel_DV = self.param(
+                "lm_head", nn.with_logical_partitioning(_dense_init(), ("embed", "vocab")),
+                (cfg.d_model, cfg.vocab_size), pdtype,
+            )
+        logits_BTV = jnp.dot(x_BTD.astype(head_dtype), kernel_DV.astype(head_dtype)).astype(jnp.float32)
+
+        if cache is None:
+            return logits_BTV, None
+        new_cache = {
+            "k": new_kv[0], "v": new_kv[1], "valid": new_valid, "pos": new_pos,
+            "index": cache_index_B + T,
+        }
+        return logits_BTV, new_cache
+
+
+def init_cache(cfg: ModelConfig, batch: int, length: int, dtype=None):
+    """An empty KV cache: [L, B, S, K, H] keys and values plus per-slot bookkeeping."""
+    dtype = dtype or DTYPES[cfg.dtype]
+    shape = (cfg.n_layers, batch, length, cfg.n_kv_heads, cfg.head_dim)
+    return {
+        "k": jnp.zeros(shape, dtype),
+        "v": jnp.zeros(shape, dtype),
+        "valid": jnp.zeros((batch, length), bool),
+        "pos": jnp.zeros((batch, length), jnp.int32),
+        "index": jnp.zeros((batch,), jnp.int32),
+    }
+
+
+def positions_from_mask(token_mask_BT):
+    """Position of each token among the real tokens of its row (pads get 0)."""
+    return jnp.maximum(jnp.cumsum(token_mask_BT.astype(jnp.int32), axis=1) - 1, 0)
+
+
+def init_params(cfg: ModelConfig, rng, batch: int = 1, length: int = 8):
+    """Boxed (logically annotated) parameters; use nn.unbox / nn.get_partition_spec on them."""
+    tokens = jnp.zeros((batch, length), jnp.int32)
+    mask = jnp.ones((batch, length), bool)
+    return Decoder(cfg).init(rng, tokens, positions_from_mask(mask), mask)["params"]
+
+
+def compute_params(cfg: ModelConfig, active: bool = True) -> int:
+    """Parameters that do a matmul per token: all but the embedding lookup, the LM head
+    included (for MoE with active=True, only the experts a token is routed to).
+    Model FLOPs use it: 2N per token forward, 6N forward+backward."""
+    attn = cfg.d_model * cfg.head_dim * (2 * cfg.n_heads + 2 * cfg.n_kv_heads)
+    if cfg.num_experts:
+        per_expert = 3 * cfg.d_model * cfg.moe_mlp_dim
+        experts = per_expert * (cfg.num_experts_per_tok if active else cfg.num_experts)
+        shared = 3 * cfg.d_model * cfg.mlp_dim if cfg.shared_expert else 0
+        mlp = experts + shared + cfg.d_model * cfg.num_experts
+    else:
+        mlp = 3 * cfg.d_model * cfg.mlp_dim
+    norms = 2 * cfg.d_model
+    head = 0 if cfg.tie_embeddings else cfg.d_model * cfg.vocab_size
+    return cfg.n_layers * (attn + mlp + norms) + cfg.d_model + head

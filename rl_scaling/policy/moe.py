@@ -1,0 +1,210 @@
+"""Mixture-of-experts MLP as in Llama 4 (Scout): a top-k router, routed SwiGLU experts and a
+shared SwiGLU expert that sees every token.
+
+Routing (transformers `Llama4TextMoe` / `Llama4Router`):
+  logits_SE = x_SD @ router_DE; the top-k logits of a token go through a sigmoid, and that
+  gate scales the expert's *input*: y = shared(x) + sum_{e in topk} expert_e(sigmoid(l_e) * x).
+  (There is no softmax and no renormalisation of the gates.)
+
+Parameters (per layer; `Block` is scanned, so each gets a leading [L] axis):
+  router [D, E]                       logical ("embed", None)
+  wi_gate, wi_up [E, D, F]            logical ("expert", "embed", "expert_mlp")
+  wo [E, F, D]                        logical ("expert", "expert_mlp", "embed")
+  shared/{gate,up,down}               the dense `SwiGLU` of model.py with hidden cfg.mlp_dim
+
+Dispatch: `cfg.moe_impl`
+  "ragged" (default) sort-based, dropless: the S*k (token, expert) pairs of a shard are sorted by
+      expert, gathered into one [S*k, D] slab, and the three expert matmuls run as grouped
+      matmuls (`jax.lax.ragged_dot`, which XLA lowers to a grouped GEMM on TPU); the outputs are
+      un-sorted with the inverse permutation and summed over the k choices.
+  "dense" the oracle: every expert runs on every token, weighted by its gate (0 if not chosen).
+
+Why sort + ragged_dot and not GShard capacity dispatch (per token, D model, F expert hidden,
+E experts, k chosen, capacity C = cf*S*k/E per group of S tokens):
+  - FLOPs. ragged: 6*D*F*k (exactly the active experts) plus an O(S*k log(S*k)) int sort.
+    capacity einsums: 6*D*F*k*cf for the experts (padding slots are computed too) plus the
+    dispatch and combine einsums, 2 * 2*E*C*D = 4*cf*S*k*D per token: for Scout (D 5120,
+    F 8192, k 1) with groups of S = 4096 tokens and cf 1.25 that is +33% over the expert FLOPs.
+    dense oracle: 6*D*F*E (16x the routed FLOPs for Scout).
+  - Memory. ragged: the [S*k, D] sorted slab and the [S*k, F] hidden. capacity: a one-hot
+    dispatch tensor [S, E, C] per group (S^2*k*cf values) and an [E, C, D] slab.
+  - Semantics, which decide it for RL: capacity dispatch drops tokens when an expert overflows,
+    so a token's logits depend on which other tokens share its group. Then the trainer's
+    recomputed log-probs differ from the generator's (the importance ratio the losses use is
+    biased by routing noise, not by the policy change), and KV-cache decoding (a group of one
+    token) disagrees with the full-sequence recompute. Dropless dispatch makes every token's
+    output independent of the rest of the batch: the same numbers in prefill, decode and
+    training, and exact parity with the transformers reference.
+
+Sharding. With a mesh in context (`jax.set_mesh` or `with mesh:`) the grouped matmuls run
+inside `shard_map`: each data shard sorts only its own tokens (a global sort would gather every
+token to every device), the expert weights enter sharded along `expert_mlp` (the `tensor` mesh
+axis) and the partial outputs of the down projection are summed with one psum over it. The
+expert weights rest sharded over the `expert`/`fsdp` axes and are all-gathered per layer at the
+shard_map boundary, exactly as FSDP does for dense weights (Scout: 3*D*F*E = 2.0B parameters,
+4 GB in bf16, per layer and step). A generator mesh should therefore put its devices on
+`tensor` (and `data`), where the weights never move. True expert parallelism (tokens sent to
+the devices that hold their expert with `jax.lax.ragged_all_to_all`) would replace that gather
+by two all-to-alls of 2*S*k*D values per layer; it is the next step for large training
+batches, and fits in the same shard_map.
+
+Sown into the "intermediates" collection (stacked over layers by the scan):
+  router_aux_loss  Switch load-balancing loss E * sum_e f_e * P_e (f_e: share of the S*k
+                   choices that went to expert e, P_e: mean softmax router probability);
+                   the train step adds cfg.router_aux_loss_coef times its layer mean.
+  expert_load      f_e, [E]; dropless dispatch drops nothing, so there is no dropped fraction.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import linen as nn
+
+from rl_scaling import sharding
+from rl_scaling.policy.model import DTYPES, ModelConfig, SwiGLU
+
+IMPLS = ("ragged", "dense")
+
+
+def _expert_init():
+    # fan_in over D (or F) only: the expert axis is a batch of independent matrices.
+    return nn.initializers.variance_scaling(1.0, "fan_in", "truncated_normal", in_axis=-2, out_axis=-1, batch_axis=(0,))
+
+
+def route(x_SD, router_DE, k):
+    """Top-k routing in float32: (logits [S, E], chosen experts [S, k], sigmoid gates [S, k])."""
+    logits_SE = jnp.dot(x_SD.astype(jnp.float32), router_DE.astype(jnp.float32))
+    top_SK, idx_SK = jax.lax.top_k(logits_SE, k)
+    return logits_SE, idx_SK, jax.nn.sigmoid(top_SK)
+
+
+def experts_dense(x_SD, idx_SK, gate_SK, wg_EDF, wu_EDF, wo_EFD, dtype):
+    """Oracle: every expert on every token, input scaled by its gate (0 when not chosen)."""
+    E = wg_EDF.shape[0]
+    scores_SE = jnp.sum(jax.nn.one_hot(idx_SK, E, dtype=jnp.float32) * gate_SK[..., None], axis=1)
+    xs_ESD = (scores_SE.T[:, :, None] * x_SD.astype(jnp.float32)[None]).astype(dtype)
+    g = jnp.einsum("esd,edf->esf", xs_ESD, wg_EDF.astype(dtype))
+    u = jnp.einsum("esd,edf->esf", xs_ESD, wu_EDF.astype(dtype))
+    o_ESD = jnp.einsum("esf,efd->esd", nn.silu(g) * u, wo_EFD.astype(dtype), preferred_element_type=jnp.float32)
+    return o_ESD.sum(0)
+
+
+def experts_ragged(x_SD, idx_SK, gate_SK, wg_EDF, wu_EDF, wo_EFD, dtype):
+    """Dropless sort + grouped matmul over the tokens given (one shard's worth)."""
+    S, K = idx_SK.shape
+    E = wg_EDF.shape[0]
+    flat_e = idx_SK.reshape(-1)
+    order = jnp.argsort(flat_e, stable=True)  # (token, choice) pairs grouped by expert
+    token = order // K
+    xs = (x_SD[token].astype(jnp.float32) * gate_SK.reshape(-1)[order][:, None]).astype(dtype)
+    group_sizes = jnp.bincount(flat_e, length=E).astype(jnp.int32)
+    g = jax.lax.ragged_dot(xs, wg_EDF.astype(dtype), group_sizes)
+    u = jax.lax.ragged_dot(xs, wu_EDF.astype(dtype), group_sizes)
+    o = jax.lax.ragged_dot(nn.silu(g) * u, wo_EFD.astype(dtype), group_sizes, preferred_element_type=jnp.float32)
+    inverse = jnp.zeros_like(order).at[order].set(jnp.arange(order.shape[0], dtype=order.dtype))
+    return o[inverse].reshape(S, K, -1).sum(1)
+
+
+def _context_mesh():
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh is not None and not mesh.empty:
+        return mesh
+    try:  # the legacy `with mesh:` context
+        from jax._src import mesh as mesh_lib
+
+        mesh = mesh_lib.thread_resources.env.physical_mesh
+        return None if mesh.empty else mesh
+    except Exception:  # pragma: no cover - private API moved
+        return None
+
+
+def _mesh_axes(logical, mesh):
+    """Mesh axes (of size > 1) that a logical axis maps to."""
+    spec = nn.logical_to_mesh_axes((logical,), sharding.LOGICAL_RULES)[0]
+    axes = spec if isinstance(spec, tuple) else ((spec,) if spec else ())
+    return tuple(a for a in axes if a in mesh.axis_names and mesh.shape[a] > 1)
+
+
+def experts_sharded(x_SD, idx_SK, gate_SK, wg_EDF, wu_EDF, wo_EFD, dtype):
+    """`experts_ragged` per data shard inside shard_map, summed over the expert_mlp shards."""
+    mesh = _context_mesh()
+    fn = lambda *a: experts_ragged(*a, dtype)  # noqa: E731
+    if mesh is None:
+        return fn(x_SD, idx_SK, gate_SK, wg_EDF, wu_EDF, wo_EFD)
+    batch_axes, tensor_axes = _mesh_axes("batch", mesh), _mesh_axes("expert_mlp", mesh)
+    n_batch = 1
+    for a in batch_axes:
+        n_batch *= mesh.shape[a]
+    n_tensor = 1
+    for a in tensor_axes:
+        n_tensor *= mesh.shape[a]
+    if (not batch_axes and not tensor_axes) or x_SD.shape[0] % n_batch or wg_EDF.shape[-1] % n_tensor:
+        return fn(x_SD, idx_SK, gate_SK, wg_EDF, wu_EDF, wo_EFD)  # leave it to the partitioner
+    P = jax.sharding.PartitionSpec
+    tok = P(batch_axes or None, None)
+    t = tensor_axes or None
+
+    def local(x, idx, gate, wg, wu, wo):
+        y = fn(x, idx, gate, wg, wu, wo)
+        return jax.lax.psum(y, tensor_axes) if tensor_axes else y
+
+    return jax.shard_map(
+        local, mesh=mesh,
+        in_specs=(tok, tok, tok, P(None, None, t), P(None, None, t), P(None, t, None)),
+        out_specs=tok,
+    )(x_SD, idx_SK, gate_SK, wg_EDF, wu_EDF, wo_EFD)
+
+
+class MoeMlp(nn.Module):
+    """Llama-4 MoE feed-forward: y_BTD = shared(h) + sum over the top-k experts."""
+
+    cfg: ModelConfig
+
+    @nn.compact
+    def __call__(self, x_BTD):
+        cfg = self.cfg
+        if cfg.moe_impl not in IMPLS:
+            raise ValueError(f"model.moe_impl must be one of {IMPLS}, got {cfg.moe_impl!r}")
+        if not 1 <= cfg.num_experts_per_tok <= cfg.num_experts or cfg.moe_mlp_dim <= 0:
+            raise ValueError(
+                f"MoE needs 1 <= num_experts_per_tok ({cfg.num_experts_per_tok}) <= num_experts "
+                f"({cfg.num_experts}) and moe_mlp_dim > 0 (got {cfg.moe_mlp_dim})"
+            )
+        dtype, pdtype = DTYPES[cfg.dtype], DTYPES[cfg.param_dtype]
+        E, K, F, D = cfg.num_experts, cfg.num_experts_per_tok, cfg.moe_mlp_dim, cfg.d_model
+        router = self.param(
+            "router", nn.with_logical_partitioning(nn.initializers.variance_scaling(1.0, "fan_in", "truncated_normal"),
+                                                   ("embed", None)), (D, E), pdtype)
+        w_in = nn.with_logical_partitioning(_expert_init(), ("expert", "embed", "expert_mlp"))
+        wg = self.param("wi_gate", w_in, (E, D, F), pdtype)
+        wu = self.param("wi_up", w_in, (E, D, F), pdtype)
+        wo = self.param("wo", nn.with_logical_partitioning(_expert_init(), ("expert", "expert_mlp", "embed")),
+                        (E, F, D), pdtype)
+
+        B, T, _ = x_BTD.shape
+        x_SD = x_BTD.reshape(B * T, D)
+        logits_SE, idx_SK, gate_SK = route(x_SD, router, K)
+        impl = experts_dense if cfg.moe_impl == "dense" else experts_sharded
+        y_SD = impl(x_SD, idx_SK, gate_SK, wg, wu, wo, dtype)
+
+        # Switch-style load balancing (f_e * P_e) and the per-expert load.
+        load_E = jnp.mean(jnp.sum(jax.nn.one_hot(idx_SK, E, dtype=jnp.float32), axis=1), axis=0) / K
+        prob_E = jnp.mean(jax.nn.softmax(logits_SE, axis=-1), axis=0)
+        self.sow("intermediates", "router_aux_loss", E * jnp.sum(load_E * prob_E))
+        self.sow("intermediates", "expert_load", load_E)
+
+        y_BTD = y_SD.reshape(B, T, D)
+        if cfg.shared_expert:
+            y_BTD = y_BTD + SwiGLU(cfg, cfg.mlp_dim, name="shared")(x_BTD).astype(jnp.float32)
+        return y_BTD.astype(dtype)
+
+
+def router_metrics(intermediates):
+    """Layer-mean aux loss and the [L, E] expert loads from `apply(..., mutable="intermediates")`.
+    Returns {} for a dense model."""
+    inter = intermediates.get("intermediates", intermediates)
+    moe = inter.get("layers", {}).get("moe") if hasattr(inter, "get") else None
+    if not moe:
+        return {}
+    return {"router_aux_loss": jnp.mean(moe["router_aux_loss"][0]), "expert_load": moe["expert_load"][0]}

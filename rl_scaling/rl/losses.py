@@ -1,0 +1,107 @@
+"""Policy-gradient losses, aggregations and advantage estimators as pure functions.
+
+Every function works on a batch laid out as P prompts x G samples:
+  logp_PGT, old_logp_PGT  log-probs of the completion tokens under the trainer / generator
+  mask_PGT                1.0 on tokens that are trained on (sampled completion tokens)
+  adv_PG                  one advantage per sample
+A new algorithm is a new function in `LOSSES` plus a config value.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+sg = jax.lax.stop_gradient
+
+
+# ---- per-token losses: (logp, old_logp, adv, mask, **hparams) -> loss_PGT ----------------
+
+def cispo(logp, old_logp, adv, mask, *, eps_max=4.0, **_):
+    """MiniMax-M1 / ScaleRL: -sg(min(rho, eps_max)) * A * log pi; no lower clip, and
+    every token keeps its gradient (the weight is clipped, not the token)."""
+    rho = jnp.exp(logp - old_logp)
+    return -sg(jnp.minimum(rho, eps_max)) * adv[..., None] * logp
+
+
+def ppo_clip(logp, old_logp, adv, mask, *, eps_low=0.2, eps_high=0.2, **_):
+    """PPO's clipped surrogate (GRPO: symmetric 0.2; DAPO: asymmetric 0.2 / 0.26)."""
+    rho = jnp.exp(logp - old_logp)
+    a = adv[..., None]
+    return -jnp.minimum(rho * a, jnp.clip(rho, 1.0 - eps_low, 1.0 + eps_high) * a)
+
+
+def gspo(logp, old_logp, adv, mask, *, gspo_eps_low=3e-4, gspo_eps_high=4e-4, **_):
+    """GSPO: one ratio per sequence, exp(mean_t log rho), clipped with a small range.
+    The per-token value is the sequence loss, so any aggregation weighs it per token."""
+    n = jnp.maximum(mask.sum(-1), 1.0)
+    log_ratio = ((logp - old_logp) * mask).sum(-1) / n
+    s = jnp.exp(log_ratio)
+    seq = -jnp.minimum(s * adv, jnp.clip(s, 1.0 - gspo_eps_low, 1.0 + gspo_eps_high) * adv)
+    return jnp.broadcast_to(seq[..., None], logp.shape)
+
+
+def reinforce(logp, old_logp, adv, mask, **_):
+    """Vanilla REINFORCE: -A * log pi (on-policy; no importance weight)."""
+    return -adv[..., None] * logp
+
+
+LOSSES = {"cispo": cispo, "ppo_clip": ppo_clip, "gspo": gspo, "reinforce": reinforce}
+
+
+# ---- aggregation: (loss_PGT, mask_PGT, keep_P) -> scalar -------------------------------
+
+def prompt_average(loss, mask, keep):
+    """ScaleRL: each prompt's token losses summed and divided by that prompt's token
+    count, then averaged over the kept prompts."""
+    per_prompt = (loss * mask).sum((1, 2)) / jnp.maximum(mask.sum((1, 2)), 1.0)
+    return (per_prompt * keep).sum() / jnp.maximum(keep.sum(), 1.0)
+
+
+def sample_average(loss, mask, keep):
+    """GRPO: mean over each sample's tokens, then over the kept samples."""
+    per_sample = (loss * mask).sum(2) / jnp.maximum(mask.sum(2), 1.0)
+    weight = keep[:, None] * (mask.sum(2) > 0)
+    return (per_sample * weight).sum() / jnp.maximum(weight.sum(), 1.0)
+
+
+def token_average(loss, mask, keep):
+    """Token-level mean over the whole batch (DAPO paper)."""
+    m = mask * keep[:, None, None]
+    return (loss * m).sum() / jnp.maximum(m.sum(), 1.0)
+
+
+AGGREGATIONS = {"prompt": prompt_average, "sample": sample_average, "token": token_average}
+
+
+# ---- advantages: rewards_PG -> (adv_PG, keep_P) ----------------------------------------
+
+def zero_variance_keep(rewards):
+    """1.0 for prompts whose samples got different rewards (the others carry no signal)."""
+    return (rewards.max(1) > rewards.min(1)).astype(jnp.float32)
+
+
+def advantages(rewards, *, norm="batch", zero_var_filter=True, eps=1e-6):
+    """A_i = r_i - mean(r of the prompt), then normalized.
+
+    norm="batch": divided by the std of the advantages of all kept samples (ScaleRL).
+    norm="group": divided by each prompt's reward std (GRPO).
+    norm="none":  left as is (Dr. GRPO).
+    """
+    rewards = rewards.astype(jnp.float32)
+    keep = zero_variance_keep(rewards) if zero_var_filter else jnp.ones(rewards.shape[0], jnp.float32)
+    adv = rewards - rewards.mean(1, keepdims=True)
+    if norm == "batch":
+        w = jnp.broadcast_to(keep[:, None], adv.shape)
+        n = jnp.maximum(w.sum(), 1.0)
+        mean = (adv * w).sum() / n
+        std = jnp.sqrt(((adv - mean) ** 2 * w).sum() / n)
+        adv = adv / (std + eps)
+    elif norm == "group":
+        adv = adv / (rewards.std(1, keepdims=True) + eps)
+    elif norm != "none":
+        raise ValueError(f"rl.adv_norm must be one of batch, group, none; got {norm!r}")
+    return adv * keep[:, None], keep
+
+
+ADV_NORMS = ("batch", "group", "none")

@@ -1,0 +1,114 @@
+"""A jitted KV-cache sampler that returns per-token log-probs.
+
+The log-prob of each sampled token is read off the same float32 logits the token was
+drawn from (after temperature), so the trainer's importance ratio pi_train/pi_gen is
+exact when both sides use float32 logits.
+
+Decoding is one `lax.while_loop` inside one jit: prefill the (left-padded) prompts,
+then one token per step for every row, stopping early when all rows are done.
+
+Forced interruption (ScaleRL's length control): when `think_budget_B` is given, a row
+that has produced that many tokens without closing its thinking gets
+`interrupt_tokens` injected (one per step, teacher-forced, marked in `forced_BT`), then
+`answer_budget` more tokens to answer.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from rl_scaling.policy import model as model_lib
+
+
+class Samples(NamedTuple):
+    tokens_BT: jax.Array  # generated tokens, pad after the end
+    logprobs_BT: jax.Array  # float32 log pi_gen(token), 0 after the end
+    forced_BT: jax.Array  # True where a token was injected, not sampled
+    lengths_B: jax.Array  # generated tokens, stop token included
+    truncated_B: jax.Array  # ran out of budget before a stop token
+    interrupted_B: jax.Array  # the thinking budget was hit and the phrase injected
+
+
+@functools.partial(
+    jax.jit,
+    static_argnames=("cfg", "max_new_tokens", "stop_tokens", "pad_id", "interrupt_tokens",
+                     "think_end_id", "answer_budget"),
+)
+def sample(params, prompt_BP, prompt_mask_BP, rng, *, cfg: model_lib.ModelConfig, max_new_tokens: int,
+           temperature=1.0, stop_tokens: tuple[int, ...] = (), pad_id: int = 0,
+           think_budget_B=None, interrupt_tokens: tuple[int, ...] = (), think_end_id: int = -1,
+           answer_budget: int = 0) -> Samples:
+    B, P = prompt_BP.shape
+    decoder = model_lib.Decoder(cfg)
+    apply = functools.partial(decoder.apply, {"params": params})
+    cache = model_lib.init_cache(cfg, B, P + max_new_tokens)
+    positions_BP = model_lib.positions_from_mask(prompt_mask_BP)
+    logits_BPV, cache = apply(prompt_BP, positions_BP, prompt_mask_BP, cache)
+    next_pos_B = positions_BP[:, -1] + 1
+
+    stop_ids = jnp.asarray(stop_tokens or (-1,), jnp.int32)
+    phrase = jnp.asarray(interrupt_tokens or (pad_id,), jnp.int32)
+    use_interrupt = think_budget_B is not None and len(interrupt_tokens) > 0
+    if think_budget_B is None:
+        think_budget_B = jnp.full((B,), max_new_tokens + 1, jnp.int32)
+
+    def cond(carry):
+        t, done_B = carry[0], carry[3]
+        return (t < max_new_tokens) & ~jnp.all(done_B)
+
+    def body(carry):
+        t, cache, logits_BV, done_B, out, rng, pos_B, think_end_B, forced_left_B, answer_left_B = carry
+        rng, key = jax.random.split(rng)
+        scaled_BV = logits_BV / temperature
+        sampled_B = jax.random.categorical(key, scaled_BV).astype(jnp.int32)
+        # Forced interruption: start injecting when the thinking budget runs out.
+        if use_interrupt:
+            start_B = (~done_B) & (think_end_B < 0) & (forced_left_B == 0) & (t >= think_budget_B)
+            forced_left_B = jnp.where(start_B, len(interrupt_tokens), forced_left_B)
+            forcing_B = forced_left_B > 0
+            phrase_idx = len(interrupt_tokens) - forced_left_B
+            forced_tok_B = phrase[jnp.clip(phrase_idx, 0, len(interrupt_tokens) - 1)]
+            token_B = jnp.where(forcing_B, forced_tok_B, sampled_B)
+            forced_left_B = jnp.where(forcing_B, forced_left_B - 1, forced_left_B)
+            interrupted_now_B = forcing_B & (forced_left_B == 0)
+            answer_left_B = jnp.where(interrupted_now_B, answer_budget, answer_left_B)
+        else:
+            forcing_B = jnp.zeros((B,), bool)
+            token_B = sampled_B
+        logprob_B = jnp.take_along_axis(jax.nn.log_softmax(scaled_BV), token_B[:, None], axis=1)[:, 0]
+        token_B = jnp.where(done_B, pad_id, token_B)
+        logprob_B = jnp.where(done_B | forcing_B, 0.0, logprob_B)
+        think_end_B = jnp.where((think_end_B < 0) & (token_B == think_end_id) & ~done_B, t, think_end_B)
+        out = {
+            "tokens": out["tokens"].at[:, t].set(token_B),
+            "logprobs": out["logprobs"].at[:, t].set(logprob_B),
+            "forced": out["forced"].at[:, t].set(forcing_B & ~done_B),
+            "lengths": out["lengths"] + (~done_B).astype(jnp.int32),
+        }
+        stopped_B = jnp.any(token_B[:, None] == stop_ids[None, :], axis=1) & ~forcing_B
+        if use_interrupt:
+            # After an interruption the answer has its own budget of sampled tokens.
+            answering_B = (answer_left_B >= 0) & ~interrupted_now_B & ~done_B
+            answer_left_B = jnp.where(answering_B, answer_left_B - 1, answer_left_B)
+            stopped_B |= answering_B & (answer_left_B == 0)
+            stopped_B |= interrupted_now_B & (answer_budget == 0)
+        new_done_B = done_B | stopped_B
+        logits_B1V, cache = apply(token_B[:, None], pos_B[:, None], ~done_B[:, None], cache)
+        return (t + 1, cache, logits_B1V[:, 0], new_done_B, out, rng, pos_B + 1, think_end_B,
+                forced_left_B, answer_left_B)
+
+    out = {
+        "tokens": jnp.full((B, max_new_tokens), pad_id, jnp.int32),
+        "logprobs": jnp.zeros((B, max_new_tokens), jnp.float32),
+        "forced": jnp.zeros((B, max_new_tokens), bool),
+        "lengths": jnp.zeros((B,), jnp.int32),
+    }
+    carry = (jnp.int32(0), cache, logits_BPV[:, -1], jnp.zeros((B,), bool), out, rng, next_pos_B,
+             jnp.full((B,), -1, jnp.int32), jnp.zeros((B,), jnp.int32), jnp.full((B,), -1, jnp.int32))
+    _, _, _, done_B, out, _, _, _, _, answer_left_B = jax.lax.while_loop(cond, body, carry)
+    interrupted_B = answer_left_B >= 0
+    return Samples(out["tokens"], out["logprobs"], out["forced"], out["lengths"], ~done_B, interrupted_B)

@@ -1,0 +1,1 @@
+"""Sigmoid compute law: fits, uncertainty, comparison, loaders and plots."""

@@ -1,0 +1,42 @@
+"""Tasks: problems, a tokenizer and a reward function behind one small interface.
+
+A task provides
+  tokenizer                      with encode/decode and pad/bos/eos ids
+  train_problem(index)           the index-th problem of the training stream (deterministic)
+  eval_problems(n)               n held-out problems, disjoint from training
+  reward(response, problem)      a float; response is the decoded completion
+  reference_completion(problem)  a correct completion, for the supervised warm start
+"""
+
+from __future__ import annotations
+
+import functools
+
+from rl_scaling.tasks import arithmetic
+from rl_scaling.tasks.tokenizer import CharTokenizer
+
+
+class ArithmeticTask:
+    name = "arithmetic"
+
+    def __init__(self, seed: int):
+        self.seed = seed
+        self.tokenizer = CharTokenizer()
+
+    def train_problem(self, index: int) -> arithmetic.Problem:
+        return arithmetic.train_problem(self.seed, index)
+
+    def eval_problems(self, n: int):
+        return arithmetic.eval_problems(n)
+
+    reward = staticmethod(arithmetic.reward)
+    reference_completion = staticmethod(arithmetic.reference_completion)
+
+
+TASKS = {"arithmetic": ArithmeticTask}
+
+
+def make_task(task_cfg, seed: int):
+    if task_cfg.name not in TASKS:
+        raise ValueError(f"config.task.name={task_cfg.name!r} is not valid; choose one of {sorted(TASKS)}")
+    return TASKS[task_cfg.name](seed)

@@ -1,0 +1,185 @@
+"""The RL loop, top to bottom.
+
+  prompts (grain) -> sample G completions per prompt (KV-cache sampler, float32 log-probs)
+  -> rewards (task verifier) -> rl_step (advantages, zero-variance filter, CISPO,
+  prompt-level aggregation, AdamW) -> metrics (TensorBoard + metrics.jsonl, against
+  compute) -> held-out eval every `eval_every` -> Orbax checkpoint (state, data
+  iterator, counters) -> `launch/fit.py` fits the sigmoid law to metrics.jsonl.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from rl_scaling import checkpoint, compute, config as config_lib, data, evaluate, metrics as metrics_lib, sharding, tasks
+from rl_scaling.rl import train_step as ts
+from rl_scaling.rollout import collect
+
+log = logging.getLogger(__name__)
+
+
+def prepare_workdir(workdir: str) -> str:
+    workdir = os.path.abspath(workdir)
+    try:
+        os.makedirs(workdir, exist_ok=True)
+        probe = os.path.join(workdir, ".write_test")
+        with open(probe, "w") as f:
+            f.write("ok")
+        os.remove(probe)
+    except OSError as e:
+        raise ValueError(f"--workdir={workdir} is not writable: {e}") from e
+    return workdir
+
+
+def train(config, workdir: str) -> dict:
+    config_lib.validate(config)
+    workdir = prepare_workdir(workdir)
+    if jax.process_index() == 0:
+        with open(os.path.join(workdir, "config.json"), "w") as f:
+            json.dump(config.to_dict(), f, indent=1)
+    mesh = sharding.make_mesh(dict(config.mesh))
+    task = tasks.make_task(config.task, config.seed)
+    if config.model.vocab_size < task.tokenizer.vocab_size:
+        raise ValueError(f"config.model.vocab_size={config.model.vocab_size} is smaller than the tokenizer's "
+                         f"{task.tokenizer.vocab_size}")
+    train_cfg = config_lib.model_config(config, config.rl.fp32_lm_head)
+    gen_cfg = config_lib.model_config(config, config.rollout.fp32_lm_head)
+    eval_problems = task.eval_problems(config.eval.num_prompts)
+    optimizer = ts.make_optimizer(config.optim)
+    state_sh = ts.state_shardings(train_cfg, optimizer, mesh)
+    ckpts = checkpoint.Checkpoints(os.path.join(workdir, "checkpoints"), keep=config.keep_checkpoints)
+    base_rng = jax.random.key(config.seed)
+    P, G = config.rollout.prompts_per_step, config.rollout.samples_per_prompt
+    gen_kw = dict(max_prompt_len=config.task.max_prompt_len, max_new_tokens=config.rollout.max_new_tokens,
+                  temperature=config.rollout.temperature)
+
+    def run_eval(params, step):
+        return evaluate.pass_rate(params, gen_cfg, task, eval_problems, samples_per_prompt=config.eval.samples_per_prompt,
+                                  batch_size=config.eval.batch_size, rng=jax.random.fold_in(jax.random.key(config.seed + 1), step),
+                                  **gen_kw)
+
+    # --- state: resume, or start from a given checkpoint, or from a supervised warm start.
+    abstract = jax.eval_shape(lambda: ts.init_state(train_cfg, optimizer, base_rng, mesh, state_sh))
+    abstract = checkpoint.abstract_like(abstract, state_sh)
+    restored = ckpts.restore_latest(abstract)
+    if restored is not None:
+        step, state, meta = restored
+        log.info("resumed from %s at step %d", ckpts.directory, step)
+    else:
+        params = initial_params(config, task, train_cfg, gen_cfg, mesh, workdir, abstract["params"], gen_kw)
+        state = {"params": params, "opt_state": jax.jit(optimizer.init, out_shardings=state_sh["opt_state"])(params),
+                 "step": jnp.zeros((), jnp.int32)}
+        step, meta = 0, {"data": None, "compute_flops": 0.0, "accel_seconds": 0.0, "samples": 0}
+
+    stream = data.prompt_stream(task, config.seed, P)
+    if meta["data"] is not None:
+        stream.set_state(meta["data"])
+    writer = metrics_lib.MetricsWriter(workdir, resume_step=step if restored else None)
+    progress = metrics_lib.Progress(config.steps, step)
+    rl_step = ts.jit_step(ts.rl_step, state_sh, mesh, model_cfg=train_cfg, rl_cfg=config.rl, optimizer=optimizer)
+    n_devices = jax.device_count()
+    counters = {k: meta[k] for k in ("compute_flops", "accel_seconds", "samples")}
+
+    if step == 0:
+        ev = run_eval(state["params"], 0)
+        writer.write(0, {**counters, **{f"eval/{k}": v for k, v in ev.items()}})
+        progress.print(0, {"eval/pass_rate": ev["pass_rate"]})
+
+    pending = None  # metrics are read one step late so the host never waits on the device
+    last_eval = {}
+    while step < config.steps:
+        step += 1
+        t0 = time.time()
+        problems = next(stream)
+        rng = jax.random.fold_in(base_rng, step)
+        prompt_tokens, prompt_mask, out, _, rewards = collect.generate(state["params"], gen_cfg, task, problems, G, rng, **gen_kw)
+        batch = collect.rl_batch(prompt_tokens, prompt_mask, out, rewards, P, G)
+        state, step_metrics = rl_step(state, batch)
+
+        gen_flops, train_flops = compute.sequence_flops(train_cfg, prompt_mask.sum(1), out.lengths_B)
+        counters["compute_flops"] += gen_flops + config.rl.num_minibatches * train_flops
+        counters["samples"] += P * G
+        host = {"truncation_rate": float(out.truncated_B.mean()), "response_len": float(out.lengths_B.mean()),
+                "pass_rate_train": float(rewards.mean())}
+        if pending is not None:
+            writer.write(pending[0], {**jax.device_get(pending[1]), **pending[2]})
+        counters["accel_seconds"] += (time.time() - t0) * n_devices
+        pending = (step, step_metrics, {**host, **counters})
+
+        is_eval = step % config.eval_every == 0 or step == config.steps
+        if is_eval or step % config.log_every == 0:
+            writer.write(*_drain(pending))
+            pending = None
+        if is_eval:
+            last_eval = run_eval(state["params"], step)
+            writer.write(step, {**counters, **{f"eval/{k}": v for k, v in last_eval.items()}})
+            writer.flush()
+        if is_eval or step % config.log_every == 0:
+            progress.print(step, {**({"eval/pass_rate": last_eval["pass_rate"]} if is_eval else {}),
+                                  "reward_mean": float(rewards.mean())})
+        if step % config.checkpoint_every == 0 or step == config.steps:
+            meta = {"data": stream.get_state(), **counters}
+            ckpts.save(step, state, meta)
+    if pending is not None:
+        writer.write(*_drain(pending))
+    ckpts.close()
+    writer.close()
+    return {"step": step, **counters, **{f"eval/{k}": v for k, v in last_eval.items()}}
+
+
+def _drain(pending):
+    step, device_metrics, host = pending
+    return step, {**jax.device_get(device_metrics), **host}
+
+
+def initial_params(config, task, train_cfg, gen_cfg, mesh, workdir, abstract, gen_kw):
+    """Params to start RL from: config.init_checkpoint, a saved warm start, or a new one."""
+    if config.init_checkpoint:
+        return checkpoint.load_params(config.init_checkpoint, abstract)
+    path = os.path.join(workdir, "warmstart", "params")
+    if os.path.isdir(path):
+        log.info("reusing the warm start in %s", path)
+        return checkpoint.load_params(path, abstract)
+    params = warm_start(config, task, train_cfg, gen_cfg, mesh, gen_kw)
+    checkpoint.save_params(path, params)
+    return params
+
+
+def warm_start(config, task, train_cfg, gen_cfg, mesh, gen_kw):
+    """Supervised fine-tuning on reference solutions until the sampled pass rate on a
+    probe set of training problems reaches `warmstart.target_pass_rate` (RL from a
+    random init gets no reward)."""
+    ws = config.warmstart
+    opt_cfg = config.optim.copy_and_resolve_references()
+    opt_cfg.lr, opt_cfg.warmup_steps = ws.lr, 10
+    optimizer = ts.make_optimizer(opt_cfg)
+    state_sh = ts.state_shardings(train_cfg, optimizer, mesh)
+    state = ts.init_state(train_cfg, optimizer, jax.random.key(config.seed), mesh, state_sh)
+    step_fn = ts.jit_step(ts.sft_step, state_sh, mesh, model_cfg=train_cfg, optimizer=optimizer)
+    tok = task.tokenizer
+    offset = 2 * data.TRAIN_POOL  # indices the RL stream never uses
+    probe = [task.train_problem(offset + i) for i in range(ws.probe_prompts)]
+    rate = 0.0
+    for s in range(ws.max_steps):
+        problems = [task.train_problem(offset + ws.probe_prompts + s * ws.batch_size + i) for i in range(ws.batch_size)]
+        prompt, prompt_mask = data.encode_prompts(tok, [p.prompt for p in problems], config.task.max_prompt_len)
+        comp, comp_mask = data.encode_completions(tok, [task.reference_completion(p) for p in problems],
+                                                  config.rollout.max_new_tokens)
+        tokens, token_mask = data.pack_sequences(prompt, prompt_mask, comp, comp_mask)
+        loss_mask = np.concatenate([np.zeros_like(prompt_mask), comp_mask], axis=1).astype(np.float32)
+        state, m = step_fn(state, {"tokens": tokens, "token_mask": token_mask, "loss_mask": loss_mask})
+        if (s + 1) % ws.eval_every == 0:
+            rate = evaluate.pass_rate(state["params"], gen_cfg, task, probe, samples_per_prompt=2,
+                                      batch_size=config.eval.batch_size, rng=jax.random.key(s), **gen_kw)["pass_rate"]
+            if jax.process_index() == 0:
+                print(f"warm start step {s + 1}: loss={float(m['loss']):.3f} probe pass rate={rate:.3f}", flush=True)
+            if rate >= ws.target_pass_rate:
+                break
+    return state["params"]
