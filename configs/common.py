@@ -39,6 +39,16 @@ def base_config() -> ml_collections.ConfigDict:
         max_new_tokens=16,
         temperature=1.0,
         fp32_lm_head=True,  # generator's LM head in float32 (ScaleRL)
+        # Off-policy scheme. "sync": generate, then train (PPO-off-policy-k is sync with
+        # rl.num_minibatches=k and prompts_per_step = k x prompts per minibatch).
+        # "pipeline": PipelineRL-k (rl_scaling/rollout/pipeline.py), JetStream engine.
+        mode="sync",
+        max_staleness=8,  # k: the trainer never trains on data more than k versions old
+        stale_policy="wait",  # "wait": admit prompts so none gets stale; "drop": drop stale groups
+        queue_size=0,  # prompt groups generated ahead (in flight + ready); 0 = 2 x prompts_per_step
+        server="",  # host:port of `launch/serve.py`; "" = engine in this process
+        engine_slots=0,  # max concurrent decodes of the engine; 0 = prompts_per_step x samples_per_prompt
+        reconnect_s=10.0,  # how long the trainer waits for a lost rollout server before stopping
     ))
 
     c.rl = ml_collections.ConfigDict(dict(

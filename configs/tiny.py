@@ -15,7 +15,7 @@ def get_config(arg=None):
     args = common.parse_arg(arg)
     config = common.base_config()
     common.apply_recipe(config, args.pop("recipe", "scalerl"))
-    config.steps = 600
+    config.steps = 1000
     config.eval_every = 50
     config.checkpoint_every = 50
     if "seed" in args:

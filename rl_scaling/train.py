@@ -20,7 +20,7 @@ import numpy as np
 
 from rl_scaling import checkpoint, compute, config as config_lib, data, evaluate, metrics as metrics_lib, sharding, tasks
 from rl_scaling.rl import train_step as ts
-from rl_scaling.rollout import collect
+from rl_scaling.rollout import collect, pipeline
 
 log = logging.getLogger(__name__)
 
@@ -40,6 +40,7 @@ def prepare_workdir(workdir: str) -> str:
 
 def train(config, workdir: str) -> dict:
     config_lib.validate(config)
+    pipeline.check_config(config)
     workdir = prepare_workdir(workdir)
     if jax.process_index() == 0:
         with open(os.path.join(workdir, "config.json"), "w") as f:
@@ -92,22 +93,32 @@ def train(config, workdir: str) -> dict:
         writer.write(0, {**counters, **{f"eval/{k}": v for k, v in ev.items()}})
         progress.print(0, {"eval/pass_rate": ev["pass_rate"]})
 
+    rollouts = None  # PipelineRL-k: rollouts generated in the background by a JetStream engine
+    if config.rollout.mode == "pipeline":
+        rollouts = pipeline.from_config(config, task, stream, gen_cfg, state["params"], step)
+        n_devices += rollouts.devices  # a remote rollout server's accelerators count as compute
     pending = None  # metrics are read one step late so the host never waits on the device
     last_eval = {}
     while step < config.steps:
         step += 1
         t0 = time.time()
-        problems = next(stream)
-        rng = jax.random.fold_in(base_rng, step)
-        prompt_tokens, prompt_mask, out, _, rewards = collect.generate(state["params"], gen_cfg, task, problems, G, rng, **gen_kw)
+        if rollouts is None:
+            problems = next(stream)
+            rng = jax.random.fold_in(base_rng, step)
+            prompt_tokens, prompt_mask, out, _, rewards = collect.generate(state["params"], gen_cfg, task, problems, G, rng, **gen_kw)
+            rollout_metrics = {"time/rollout_s": time.time() - t0}
+        else:  # P whole prompt groups, at most rollout.max_staleness policy versions old
+            prompt_tokens, prompt_mask, out, rewards, rollout_metrics = rollouts.next_batch()[:5]
         batch = collect.rl_batch(prompt_tokens, prompt_mask, out, rewards, P, G)
         state, step_metrics = rl_step(state, batch)
+        if rollouts is not None:  # new weights reach the generator now; sequences in flight continue
+            rollouts.push_weights(state["params"], step)
 
         gen_flops, train_flops = compute.sequence_flops(train_cfg, prompt_mask.sum(1), out.lengths_B)
         counters["compute_flops"] += gen_flops + config.rl.num_minibatches * train_flops
         counters["samples"] += P * G
         host = {"truncation_rate": float(out.truncated_B.mean()), "response_len": float(out.lengths_B.mean()),
-                "pass_rate_train": float(rewards.mean())}
+                "pass_rate_train": float(rewards.mean()), **rollout_metrics}
         if pending is not None:
             writer.write(pending[0], {**jax.device_get(pending[1]), **pending[2]})
         counters["accel_seconds"] += (time.time() - t0) * n_devices
@@ -129,6 +140,8 @@ def train(config, workdir: str) -> dict:
             ckpts.save(step, state, meta)
     if pending is not None:
         writer.write(*_drain(pending))
+    if rollouts is not None:
+        rollouts.close()
     ckpts.close()
     writer.close()
     return {"step": step, **counters, **{f"eval/{k}": v for k, v in last_eval.items()}}

@@ -4,10 +4,11 @@ Each problem is `a op b` at one of eight levels, from 2-digit + 1-digit addition
 3-digit x 3-digit multiplication. The multiplication levels are beyond a ~100k-parameter
 model, so the pass rate saturates well below 1.0: the ceiling A is not trivial.
 
-Format (char tokens; operands zero-padded to 3 digits, the result written as 6 digits
-least-significant first, the order in which a small model can compute it):
+Format (char tokens; every number written least-significant digit first and
+zero-padded, operands to 3 digits and the result to 6, so that the digits a small
+model combines sit at fixed relative offsets; 45 + 7 = 52 reads):
 
-    prompt:      <bos>045+007=<think>
+    prompt:      <bos>540+700=<think>
     completion:  250000</think>250000<eos>
                  ^ thinking        ^ answer
 
@@ -53,7 +54,7 @@ def make_problem(level: int, a: int, b: int) -> Problem:
         a, b = b, a
     result = {"+": a + b, "-": a - b, "*": a * b}[op]
     answer = str(result).zfill(RESULT_WIDTH)[::-1]
-    prompt = f"<bos>{a:0{OPERAND_WIDTH}d}{op}{b:0{OPERAND_WIDTH}d}=<think>"
+    prompt = f"<bos>{str(a).zfill(OPERAND_WIDTH)[::-1]}{op}{str(b).zfill(OPERAND_WIDTH)[::-1]}=<think>"
     return Problem(key=f"{a}{op}{b}", prompt=prompt, answer=answer, level=level)
 
 

@@ -1,0 +1,63 @@
+"""The synthetic task: disjoint splits, the verifier, the tokenizer, the grain stream."""
+
+import numpy as np
+import pytest
+
+from rl_scaling import data
+from rl_scaling.tasks import ArithmeticTask, arithmetic
+from rl_scaling.tasks.tokenizer import CharTokenizer
+
+
+def test_heldout_problems_never_appear_in_training():
+    task = ArithmeticTask(seed=0)
+    heldout = {p.key for p in arithmetic.heldout_pool()}
+    assert len(heldout) >= 8 * 100
+    stream = data.prompt_stream(task, seed=0, prompts_per_step=64)
+    seen = set()
+    for _ in range(150):  # ~10k training prompts through the real grain pipeline
+        seen.update(p.key for p in next(stream))
+    assert not (seen & heldout)
+    # The split really is a split of one distribution: training covers every level.
+    assert {arithmetic.train_problem(0, i).level for i in range(200)} == set(range(len(arithmetic.LEVELS)))
+
+
+def test_reward_checks_the_answer_after_thinking():
+    p = arithmetic.make_problem(0, 45, 7)
+    assert p.answer == "250000" and p.prompt == "<bos>540+700=<think>"
+    assert arithmetic.reward("250000</think>250000<eos>", p) == 1.0
+    assert arithmetic.reward("999999</think>250000<eos>", p) == 1.0  # thinking is not graded
+    assert arithmetic.reward("250000</think>250001<eos>", p) == 0.0
+    assert arithmetic.reward("250000250000<eos>", p) == 0.0  # thinking never ended
+    for i in range(200):
+        q = arithmetic.train_problem(3, i)
+        op = arithmetic.LEVELS[q.level][0]
+        a, b = q.key.split(op)
+        expected = {"+": int(a) + int(b), "-": int(a) - int(b), "*": int(a) * int(b)}[op]
+        assert int(q.answer[::-1]) == expected and expected >= 0
+
+
+def test_eval_set_is_stratified_and_bounded():
+    probs = arithmetic.eval_problems(64)
+    assert np.bincount([p.level for p in probs]).tolist() == [8] * 8
+    with pytest.raises(ValueError, match="eval.num_prompts"):
+        arithmetic.eval_problems(len(arithmetic.heldout_pool()) + 1)
+
+
+def test_tokenizer_round_trip_and_errors():
+    tok = CharTokenizer()
+    text = "<bos>540+700=<think>250000</think>250000<eos>"
+    ids = tok.encode(text)
+    assert tok.decode(ids) == text and ids[0] == tok.bos_id and tok.think_end_id in ids
+    with pytest.raises(ValueError, match="not in the vocabulary"):
+        tok.encode("12#")
+
+
+def test_stream_resumes_from_its_state():
+    task = ArithmeticTask(seed=1)
+    it = data.prompt_stream(task, seed=1, prompts_per_step=8)
+    next(it)
+    state = it.get_state()
+    expected = [next(it) for _ in range(3)]
+    resumed = data.prompt_stream(task, seed=1, prompts_per_step=8)
+    resumed.set_state(state)
+    assert [next(resumed) for _ in range(3)] == expected
