@@ -9,7 +9,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from absl import app, flags  # noqa: E402
+from absl import app, flags, logging as absl_logging  # noqa: E402
 from ml_collections import config_flags  # noqa: E402
 
 _CONFIG = config_flags.DEFINE_config_file(
@@ -21,6 +21,7 @@ _WORKDIR = flags.DEFINE_string("workdir", "/tmp/rl_scaling/tiny", "Where checkpo
 def main(argv):
     del argv
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    absl_logging.set_verbosity(absl_logging.WARNING)
     for noisy in ("absl", "jax", "orbax", "grain"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
     from rl_scaling import train  # after flags: jax reads its env at import

@@ -138,3 +138,22 @@ def test_corrupt_latest_checkpoint_falls_back_to_previous(tmp_path, caplog):
     assert any("checkpoints/4" in r.getMessage() for r in caplog.records)
     rows = read_jsonl(tmp_path / "metrics.jsonl")
     assert [r["step"] for r in rows if "loss" in r] == [1, 2, 3, 4, 5]  # steps 3-4 redone from step 2, once each
+
+
+def test_eval_fit_loop_evaluates_each_checkpoint_once_and_fits(tmp_path):
+    from rl_scaling import train
+
+    config = fast_config(steps=10, eval_every=10, checkpoint_every=2, keep_checkpoints=10)
+    train.train(config, str(tmp_path))
+    cmd = [sys.executable, os.path.join(ROOT, "launch", "eval_fit.py"), f"--workdir={tmp_path}", "--once",
+           "--axis=steps", "--target_compute=40"]
+    env = dict(os.environ, XLA_FLAGS="")
+    for _ in range(2):  # the second pass finds nothing new
+        res = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
+        assert res.returncode == 0, res.stderr[-3000:]
+    rows = read_jsonl(tmp_path / "eval_fit" / "evals.jsonl")
+    assert [r["step"] for r in rows] == [0, 2, 4, 6, 8, 10]
+    assert rows[-1]["compute_flops"] == read_jsonl(tmp_path / "metrics.jsonl")[-1]["compute_flops"]
+    fit = json.loads((tmp_path / "eval_fit" / "fit.json").read_text())
+    assert fit["status"] in ("ok", "error")  # a 10-step random-ish curve may not fit, but it reports
+    assert "messages" in fit or "message" in fit
