@@ -8,9 +8,44 @@ from __future__ import annotations
 
 import ml_collections
 
-# PAPER.md section 3: each recipe is a set of overrides on the ScaleRL defaults.
+
+def _recipe(loss, clip, aggregation, adv_norm, zero_var, npr, length_control, fp32_heads, k, batch_scale=1.0):
+    out = {"rl.loss": loss, "rl.aggregation": aggregation, "rl.adv_norm": adv_norm, "rl.zero_var_filter": zero_var,
+           "rl.no_positive_resampling": npr, "rollout.length_control": length_control,
+           "rollout.dynamic_sampling": False, "rollout.fp32_lm_head": fp32_heads, "rl.fp32_lm_head": fp32_heads,
+           "rl.num_minibatches": k, "rl.kl_coef": 0.0, "batch_scale": batch_scale}
+    if clip is not None:
+        out["rl.eps_low"], out["rl.eps_high"] = clip
+    return out
+
+
+# PAPER.md section 3, "Comparison recipes as the paper ran them"; (?) = our reading where the
+# paper is silent. Select one with `--config=configs/tiny.py:recipe=NAME`; every switch stays
+# overridable for the leave-one-out ablations (`--config.rl.no_positive_resampling=False`, ...;
+# give an ablation its own label with `--config.recipe=LABEL`: the fitter groups seeds by it).
+#
+# Batch: the size preset's rollout.prompts_per_step is ScaleRL's batch per update (paper 48
+# prompts x 16 = 768 samples; tiny 32 x 8). batch_scale scales it (DAPO, MiniMax: 1280 / 768
+# samples, read as per update (?)), and PPO-off-policy-k generates k times that per step,
+# trained as rl.num_minibatches = k updates (apply_recipe sets prompts_per_step).
+# Off-policy: the paper runs ScaleRL (PipelineRL-8) and Magistral (PipelineRL) with
+# rollout.mode="pipeline". The table keeps both synchronous and on-policy (k = 1; PipelineRL-k's
+# ideal limit) because the pipeline engine does not implement forced interruption yet and the
+# tiny CPU comparison should not mix schemes; add `--config.rollout.mode=pipeline` (for scalerl
+# also `--config.rollout.length_control=none`) to run them off-policy.
+# DAPO: the paper's DAPO drops zero-variance prompts from the loss; DAPO's own dynamic sampling
+# and overlong penalty are `--config.rollout.dynamic_sampling=True --config.rollout.length_control=overlong`.
+# MiniMax: "PPO-off-policy" with k unstated, 8 here (?); its advantage normalization is per prompt
+# (batch-level is ScaleRL's change). Magistral: "as DAPO" for loss and normalization (?).
+# Model precision: the FP32 LM-head switches matter only with a bfloat16 body
+# (`--config.model.dtype=bfloat16`, the full-scale presets); the tiny preset runs in float32.
 RECIPES = {
-    "scalerl": {},
+    #                    loss        PPO clip     aggreg.   adv norm  zero-var NPR    length ctl   fp32  k  batch
+    "scalerl":   _recipe("cispo",    None,        "prompt", "batch", True,  True,  "interrupt", True,  1),
+    "minimax":   _recipe("cispo",    None,        "prompt", "group", True,  False, "none",      True,  8, 1280 / 768),
+    "dapo":      _recipe("ppo_clip", (0.2, 0.26), "prompt", "group", True,  False, "none",      False, 8, 1280 / 768),
+    "grpo":      _recipe("ppo_clip", (0.2, 0.2),  "sample", "group", False, False, "none",      False, 8),
+    "magistral": _recipe("ppo_clip", (0.2, 0.26), "prompt", "group", True,  False, "none",      False, 1),
 }
 
 
@@ -49,6 +84,16 @@ def base_config() -> ml_collections.ConfigDict:
         server="",  # host:port of `launch/serve.py`; "" = engine in this process
         engine_slots=0,  # max concurrent decodes of the engine; 0 = prompts_per_step x samples_per_prompt
         reconnect_s=10.0,  # how long the trainer waits for a lost rollout server before stopping
+        # Length control (rollout/length_control.py): "none" (truncate at max_new_tokens),
+        # "interrupt" (ScaleRL's forced interruption), "overlong" (DAPO's penalty, rl.overlong_*).
+        # Tiny values: thinking is 6 tokens, so a budget of 7-8 interrupts only rambling samples
+        # (paper: U[10k, 12k], answer 2k, a 20-token phrase; hi + phrase + answer <= max_new_tokens).
+        length_control="interrupt",
+        think_budget_lo=7, think_budget_hi=8,  # per-sample budget ~ U{lo..hi} thinking tokens
+        interrupt_phrase="</think>",  # injected as tokens (zero loss weight); must end with </think>
+        answer_budget=7,  # sampled tokens allowed after the phrase
+        dynamic_sampling=False,  # DAPO: regenerate until the step has P groups with mixed rewards
+        dynamic_sampling_rounds=4,  # at most this many extra generation rounds per step
     ))
 
     c.rl = ml_collections.ConfigDict(dict(
@@ -60,9 +105,15 @@ def base_config() -> ml_collections.ConfigDict:
         adv_norm="batch",
         zero_var_filter=True,
         num_minibatches=1,  # PPO-off-policy-k: k minibatch updates per generated batch
+        grad_accum=1,  # microbatches per update (memory only: the gradient is the same)
+        logprob_chunk=0,  # >0: LM head + log-softmax over this many positions at a time
         temperature=1.0,
         kl_coef=0.0,
         fp32_lm_head=True,  # trainer's LM head in float32 (ScaleRL)
+        no_positive_resampling=True,  # drop prompts for good once a sampling's pass rate >= npr_threshold
+        npr_threshold=0.9,
+        overlong_max_len=0,  # DAPO L_max (0: rollout.max_new_tokens), with length_control="overlong"
+        overlong_cache=2,  # DAPO L_cache: the penalty ramps over the last L_cache tokens
     ))
 
     c.optim = ml_collections.ConfigDict(dict(
@@ -83,9 +134,13 @@ def apply_recipe(config: ml_collections.ConfigDict, name: str) -> ml_collections
     if name not in RECIPES:
         raise ValueError(f"unknown recipe {name!r}; valid recipes: {', '.join(sorted(RECIPES))}")
     config.recipe = name
-    for dotted, value in RECIPES[name].items():
+    overrides = dict(RECIPES[name])
+    batch_scale = overrides.pop("batch_scale", 1.0)
+    for dotted, value in overrides.items():
         section, field = dotted.split(".")
         config[section][field] = value
+    per_update = max(1, round(config.rollout.prompts_per_step * batch_scale))
+    config.rollout.prompts_per_step = per_update * config.rl.num_minibatches
     return config
 
 

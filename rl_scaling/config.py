@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from rl_scaling.policy import model as model_lib
 from rl_scaling.rl import losses
+from rl_scaling.rollout import length_control
 
 
 def _positive(config, *dotted):
@@ -31,14 +32,51 @@ def validate(config) -> None:
     _choice(config, "rl.adv_norm", losses.ADV_NORMS)
     if config.rollout.samples_per_prompt < 2:
         raise ValueError("config.rollout.samples_per_prompt must be at least 2: advantages compare samples of a prompt")
-    if config.rollout.prompts_per_step % config.rl.num_minibatches:
+    _positive(config, "rl.grad_accum")
+    split = config.rl.num_minibatches * config.rl.grad_accum
+    if config.rollout.prompts_per_step % split:
         raise ValueError(
             f"config.rollout.prompts_per_step={config.rollout.prompts_per_step} must be divisible by "
-            f"config.rl.num_minibatches={config.rl.num_minibatches}"
+            f"config.rl.num_minibatches x config.rl.grad_accum = {split}"
         )
     if config.rollout.temperature != config.rl.temperature:
         raise ValueError("config.rl.temperature must equal config.rollout.temperature (the IS ratio needs the same policy)")
+    recipe_switches(config)
     model_config(config)  # raises on bad model sizes
+
+
+def recipe_switches(config) -> None:
+    """The recipe zoo's switches (configs/common.py RECIPES) and combinations that cannot work."""
+    rc, rl = config.rollout, config.rl
+    for name in ("rl.zero_var_filter", "rl.no_positive_resampling", "rl.fp32_lm_head", "rollout.fp32_lm_head",
+                 "rollout.dynamic_sampling"):
+        section, field = name.split(".")
+        if not isinstance(config[section][field], bool):
+            raise ValueError(f"config.{name}={config[section][field]!r} must be True or False")
+    length_control.check(config)
+    if rl.no_positive_resampling and not 0.0 < rl.npr_threshold <= 1.0:
+        raise ValueError(f"config.rl.npr_threshold={rl.npr_threshold} must be in (0, 1] with "
+                         "config.rl.no_positive_resampling=True (the paper: 0.9)")
+    if rc.dynamic_sampling and rc.dynamic_sampling_rounds < 1:
+        raise ValueError(f"config.rollout.dynamic_sampling_rounds={rc.dynamic_sampling_rounds} must be >= 1 with "
+                         "config.rollout.dynamic_sampling=True")
+    for low, high in (("eps_low", "eps_high"), ("gspo_eps_low", "gspo_eps_high")):
+        if not (0.0 <= rl[low] < 1.0 and rl[high] > 0.0):
+            raise ValueError(f"config.rl.{low}={rl[low]} must be in [0, 1) and config.rl.{high}={rl[high]} positive")
+    if rl.eps_max <= 0 or rl.kl_coef < 0:
+        raise ValueError(f"config.rl.eps_max={rl.eps_max} must be positive and config.rl.kl_coef={rl.kl_coef} >= 0")
+    if rl.loss == "reinforce" and (rl.num_minibatches > 1 or rc.mode == "pipeline"):
+        raise ValueError(f"config.rl.loss='reinforce' has no importance weight and needs on-policy data, but "
+                         f"config.rl.num_minibatches={rl.num_minibatches} / config.rollout.mode={rc.mode!r} train on "
+                         "off-policy data; use rl.loss in ['cispo', 'gspo', 'ppo_clip'] or num_minibatches=1, mode='sync'")
+    if rc.mode == "pipeline":  # not implemented by the pipeline's engine (rollout/engine.py) yet
+        if rc.length_control == "interrupt":
+            raise ValueError("config.rollout.length_control='interrupt' is not supported with config.rollout.mode="
+                             "'pipeline' yet (the engine does not inject the phrase); choose length_control in "
+                             "['none', 'overlong'] or mode='sync'")
+        if rc.dynamic_sampling:
+            raise ValueError("config.rollout.dynamic_sampling=True is not supported with config.rollout.mode='pipeline'; "
+                             "use mode='sync'")
 
 
 def model_config(config, fp32_lm_head: bool | None = None) -> model_lib.ModelConfig:

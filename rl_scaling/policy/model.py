@@ -228,7 +228,10 @@ class Decoder(nn.Module):
     cfg: ModelConfig
 
     @nn.compact
-    def __call__(self, tokens_BT, positions_BT, token_mask_BT, cache=None):
+    def __call__(self, tokens_BT, positions_BT, token_mask_BT, cache=None, return_hidden=False):
+        """Logits [B, T, V] in float32 and the updated cache. With return_hidden=True (training
+        at large vocab) it returns the final hidden states and the LM head kernel instead,
+        so the caller can compute log-probs chunk by chunk without all the logits at once."""
         cfg = self.cfg
         dtype, pdtype = DTYPES[cfg.dtype], DTYPES[cfg.param_dtype]
         embed = self.param(
@@ -275,7 +278,6 @@ class Decoder(nn.Module):
         x_BTD, new_kv = layers(x_BTD, (jnp.arange(cfg.n_layers), layer_kv), positions_BT, masks, cache_index_B)
         x_BTD = RMSNorm(cfg.norm_eps, dtype, name="final_norm")(x_BTD)
 
-        head_dtype = jnp.float32 if cfg.fp32_lm_head else dtype
         if cfg.tie_embeddings:
             kernel_DV = embed.T
         else:
@@ -283,7 +285,9 @@ class Decoder(nn.Module):
                 "lm_head", nn.with_logical_partitioning(_dense_init(), ("embed", "vocab")),
                 (cfg.d_model, cfg.vocab_size), pdtype,
             )
-        logits_BTV = jnp.dot(x_BTD.astype(head_dtype), kernel_DV.astype(head_dtype)).astype(jnp.float32)
+        if return_hidden:
+            return x_BTD, kernel_DV
+        logits_BTV = lm_head(x_BTD, kernel_DV, cfg)
 
         if cache is None:
             return logits_BTV, None
@@ -292,6 +296,13 @@ class Decoder(nn.Module):
             "index": cache_index_B + T,
         }
         return logits_BTV, new_cache
+
+
+def lm_head(x_BTD, kernel_DV, cfg: ModelConfig):
+    """Logits in float32; the matmul itself runs in float32 when cfg.fp32_lm_head (ScaleRL's
+    FP32 head), otherwise in the body's dtype and is then cast."""
+    head_dtype = jnp.float32 if cfg.fp32_lm_head else DTYPES[cfg.dtype]
+    return jnp.dot(x_BTD.astype(head_dtype), kernel_DV.astype(head_dtype)).astype(jnp.float32)
 
 
 def init_cache(cfg: ModelConfig, batch: int, length: int, dtype=None):

@@ -49,6 +49,14 @@ def reinforce(logp, old_logp, adv, mask, **_):
 LOSSES = {"cispo": cispo, "ppo_clip": ppo_clip, "gspo": gspo, "reinforce": reinforce}
 
 
+def kl_k3(logp, ref_logp):
+    """Per-token k3 estimate of KL(pi || ref) (Schulman): exp(d) - d - 1 with d = ref - logp;
+    non-negative, unbiased for samples drawn from pi. Added as `rl.kl_coef * kl_k3` (off by
+    default; the paper drops it). `rl_step` uses the generator's log-probs as ref."""
+    d = ref_logp - logp
+    return jnp.exp(d) - d - 1.0
+
+
 # ---- aggregation: (loss_PGT, mask_PGT, keep_P) -> scalar -------------------------------
 
 def prompt_average(loss, mask, keep):
@@ -72,6 +80,15 @@ def token_average(loss, mask, keep):
 
 
 AGGREGATIONS = {"prompt": prompt_average, "sample": sample_average, "token": token_average}
+
+# The denominator each aggregation divides by, so that gradients accumulated over
+# microbatches (sum of loss_mb * count_mb, divided by the total count) equal the
+# full-batch gradient exactly.
+AGGREGATION_COUNTS = {
+    "prompt": lambda mask, keep: keep.sum(),
+    "sample": lambda mask, keep: (keep[:, None] * (mask.sum(2) > 0)).sum(),
+    "token": lambda mask, keep: (mask * keep[:, None, None]).sum(),
+}
 
 
 # ---- advantages: rewards_PG -> (adv_PG, keep_P) ----------------------------------------

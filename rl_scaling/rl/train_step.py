@@ -59,27 +59,52 @@ def init_state(model_cfg, optimizer, rng, mesh, shardings=None):
     return jax.jit(init, out_shardings=shardings)(rng)
 
 
-def token_logprobs(params, model_cfg, tokens_BL, token_mask_BL, temperature=1.0):
-    """log pi(token_t | tokens_<t) for t >= 1, from float32 logits; shape [B, L-1]."""
+def token_logprobs(params, model_cfg, tokens_BL, token_mask_BL, temperature=1.0, chunk=0):
+    """log pi(token_t | tokens_<t) for t >= 1, from float32 logits; shape [B, L-1].
+
+    With chunk > 0 the LM head and log-softmax run over `chunk` positions at a time under
+    jax.checkpoint, so [B, L, V] logits never exist at once (128k-200k vocabularies at
+    16k tokens would not fit in HBM)."""
     positions = model_lib.positions_from_mask(token_mask_BL)
-    logits, _ = model_lib.Decoder(model_cfg).apply(
-        {"params": params}, tokens_BL[:, :-1], positions[:, :-1], token_mask_BL[:, :-1]
-    )
-    logp_all = jax.nn.log_softmax(logits.astype(jnp.float32) / temperature, axis=-1)
-    return jnp.take_along_axis(logp_all, tokens_BL[:, 1:, None], axis=-1)[..., 0]
+    inputs = (tokens_BL[:, :-1], positions[:, :-1], token_mask_BL[:, :-1])
+    targets_BT = tokens_BL[:, 1:]
+    decoder = model_lib.Decoder(model_cfg)
+
+    def logp_of(logits_BTV, targets):
+        logp_all = jax.nn.log_softmax(logits_BTV / temperature, axis=-1)
+        return jnp.take_along_axis(logp_all, targets[..., None], axis=-1)[..., 0]
+
+    T = targets_BT.shape[1]
+    if not chunk or T <= chunk:
+        logits, _ = decoder.apply({"params": params}, *inputs)
+        return logp_of(logits, targets_BT)
+    hidden_BTD, kernel_DV = decoder.apply({"params": params}, *inputs, return_hidden=True)
+    n = -(-T // chunk)
+    pad = n * chunk - T
+    hidden_BTD = jnp.pad(hidden_BTD, ((0, 0), (0, pad), (0, 0)))
+    targets_BT = jnp.pad(targets_BT, ((0, 0), (0, pad)))
+
+    @jax.checkpoint
+    def one_chunk(h_BCD, t_BC):
+        return logp_of(model_lib.lm_head(h_BCD, kernel_DV, model_cfg), t_BC)
+
+    h_NBCD = hidden_BTD.reshape(hidden_BTD.shape[0], n, chunk, -1).swapaxes(0, 1)
+    t_NBC = targets_BT.reshape(targets_BT.shape[0], n, chunk).swapaxes(0, 1)
+    logp_NBC = jax.lax.map(lambda xs: one_chunk(*xs), (h_NBCD, t_NBC))
+    return logp_NBC.swapaxes(0, 1).reshape(targets_BT.shape)[:, :T]
 
 
 def _policy_loss(params, mb, *, model_cfg, rl_cfg):
     P, G, L = mb["tokens"].shape
     logp = token_logprobs(
-        params, model_cfg, mb["tokens"].reshape(P * G, L), mb["token_mask"].reshape(P * G, L), rl_cfg.temperature
+        params, model_cfg, mb["tokens"].reshape(P * G, L), mb["token_mask"].reshape(P * G, L), rl_cfg.temperature,
+        rl_cfg.logprob_chunk,
     ).reshape(P, G, L - 1)
     mask = mb["loss_mask"][..., 1:]
     old_logp = mb["old_logp"][..., 1:]
     per_token = losses.LOSSES[rl_cfg.loss](logp, old_logp, mb["adv"], mask, **loss_hparams(rl_cfg))
     if rl_cfg.kl_coef:  # k3 estimator against the generator policy (off by default)
-        log_r = old_logp - logp
-        per_token = per_token + rl_cfg.kl_coef * (jnp.exp(log_r) - log_r - 1.0)
+        per_token = per_token + rl_cfg.kl_coef * losses.kl_k3(logp, old_logp)
     loss = losses.AGGREGATIONS[rl_cfg.aggregation](per_token, mask, mb["keep"])
     n_tok = jnp.maximum(mask.sum(), 1.0)
     rho = jnp.exp(logp - old_logp)
@@ -88,6 +113,7 @@ def _policy_loss(params, mb, *, model_cfg, rl_cfg):
         "rho_max": jnp.max(jnp.where(mask > 0, rho, 0.0)),
         "is_capped_frac": ((rho > rl_cfg.eps_max) * mask).sum() / n_tok,
         "neg_logp": -(logp * mask).sum() / n_tok,
+        "kl_k3": (losses.kl_k3(logp, old_logp) * mask).sum() / n_tok,  # logged even when kl_coef = 0
     }
     return loss, stats
 
@@ -100,9 +126,30 @@ def rl_step(state, batch, *, model_cfg, rl_cfg, optimizer):
     minibatches = jax.tree.map(lambda x: x.reshape((M, x.shape[0] // M) + x.shape[1:]), data)
     grad_fn = jax.value_and_grad(functools.partial(_policy_loss, model_cfg=model_cfg, rl_cfg=rl_cfg), has_aux=True)
 
+    def accumulated_grads(params, mb):
+        """Gradient over `grad_accum` microbatches of whole prompts, exactly the full
+        minibatch's: each microbatch loss is weighted by its aggregation count."""
+        A = rl_cfg.grad_accum
+        if A == 1:
+            return grad_fn(params, mb)
+        count_of = losses.AGGREGATION_COUNTS[rl_cfg.aggregation]
+        micro = jax.tree.map(lambda x: x.reshape((A, x.shape[0] // A) + x.shape[1:]), mb)
+        counts = jax.vmap(lambda m: count_of(m["loss_mask"][..., 1:], m["keep"]))(micro)
+        total = jnp.maximum(counts.sum(), 1.0)
+
+        def add(grads_sum, xs):
+            m, count = xs
+            (loss, stats), grads = grad_fn(params, m)
+            grads_sum = jax.tree.map(lambda a, g: a + g * (count / total), grads_sum, grads)
+            return grads_sum, (loss * count / total, stats)
+
+        zeros = jax.tree.map(jnp.zeros_like, params)
+        grads, (losses_w, stats) = jax.lax.scan(add, zeros, (micro, counts))
+        return (losses_w.sum(), jax.tree.map(lambda v: v.mean(), stats)), grads
+
     def update(carry, mb):
         params, opt_state = carry
-        (loss, stats), grads = grad_fn(params, mb)
+        (loss, stats), grads = accumulated_grads(params, mb)
         updates, opt_state = optimizer.update(grads, opt_state, params)
         params = optax.apply_updates(params, updates)
         stats = dict(stats, loss=loss, grad_norm=optax.global_norm(grads))
