@@ -16,7 +16,10 @@ Dispatch: `cfg.moe_impl`
   "ragged" (default) sort-based, dropless: the S*k (token, expert) pairs of a shard are sorted by
       expert, gathered into one [S*k, D] slab, and the three expert matmuls run as grouped
       matmuls (`jax.lax.ragged_dot`, which XLA lowers to a grouped GEMM on TPU); the outputs are
-      un-sorted with the inverse permutation and summed over the k choices.
+      un-sorted with the inverse permutation and summed over the k choices. (XLA lowers
+      ragged_dot natively on TPU and GPU (chlo.ragged_dot); the Pallas megablox `gmm` kernel is
+      a drop-in alternative on TPU. On CPU jax expands it into a masked dense dot, E times the
+      FLOPs: fine for tests, which is all CPU runs are for.)
   "dense" the oracle: every expert runs on every token, weighted by its gate (0 if not chosen).
 
 Why sort + ragged_dot and not GShard capacity dispatch (per token, D model, F expert hidden,
@@ -24,7 +27,8 @@ E experts, k chosen, capacity C = cf*S*k/E per group of S tokens):
   - FLOPs. ragged: 6*D*F*k (exactly the active experts) plus an O(S*k log(S*k)) int sort.
     capacity einsums: 6*D*F*k*cf for the experts (padding slots are computed too) plus the
     dispatch and combine einsums, 2 * 2*E*C*D = 4*cf*S*k*D per token: for Scout (D 5120,
-    F 8192, k 1) with groups of S = 4096 tokens and cf 1.25 that is +33% over the expert FLOPs.
+    F 8192, k 1) with groups of S = 4096 tokens and cf 1.25 that is +42% over the expert FLOPs
+    (smaller groups cost less but drop more tokens).
     dense oracle: 6*D*F*E (16x the routed FLOPs for Scout).
   - Memory. ragged: the [S*k, D] sorted slab and the [S*k, F] hidden. capacity: a one-hot
     dispatch tensor [S, E, C] per group (S^2*k*cf values) and an [E, C, D] slab.

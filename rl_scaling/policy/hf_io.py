@@ -1,0 +1,424 @@
+"""Hugging Face Llama / Llama-4 checkpoints <-> the Flax policy's parameters.
+
+  cfg = config_from_hf(path, param_dtype="bfloat16")
+  params = load_hf_checkpoint(path, cfg, mesh)      # sharded, unboxed params
+  save_hf_checkpoint(params, cfg, out_dir)           # safetensors shards + config.json
+
+Loading never holds the whole model on the host. The target of every parameter is a
+NamedSharding derived from its logical axes (`jax.eval_shape` of `init_params`, then
+`sharding.tree_shardings`); `jax.make_array_from_callback` asks for each device's block, and the
+callback reads just that block from memory-mapped safetensors files, layer by layer, into the
+stacked [L, ...] layout (host memory peaks at one device block). Files are parsed here (an
+8-byte header length, a JSON header, raw little-endian data), so bfloat16 needs neither torch
+nor the safetensors package.
+
+Layout differences handled here:
+  - HF Linear weights are [out, in]; Flax kernels are [in, out] split into heads.
+  - Llama-4 applies RoPE to interleaved pairs (x0,x1),(x2,x3),... (`torch.view_as_complex`);
+    model.py rotates halves (x[:H/2], x[H/2:]) like HF Llama-3, whose checkpoints are already
+    permuted for it. For Llama-4 the q/k output features are permuted within each head
+    (even features first, then odd): q.k is unchanged by a permutation applied to both, the
+    qk L2 norm is too, and the rotation becomes rotate-half. Saving applies the inverse.
+  - Llama-4 experts are fused: gate_up_proj [E, D, 2F] (gate = first F columns) and
+    down_proj [E, F, D]; the router is a Linear [E, D].
+  - Multimodal Llama-4 checkpoints (Llama4ForConditionalGeneration) keep the text model
+    under "language_model."; the vision tower is ignored.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import struct
+from typing import Callable
+
+import jax
+import ml_dtypes
+import numpy as np
+from flax import linen as nn
+from flax.core import FrozenDict
+
+from rl_scaling import sharding
+from rl_scaling.policy import model as M
+
+_ST_DTYPES = {
+    "F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16,
+    "I64": np.int64, "I32": np.int32, "I16": np.int16, "I8": np.int8, "U8": np.uint8, "BOOL": np.bool_,
+}
+_NP_TO_ST = {np.dtype(v): k for k, v in _ST_DTYPES.items()}
+
+
+# ----------------------------------------------------------------------------- config
+
+def _read_config(path):
+    with open(os.path.join(path, "config.json")) as f:
+        raw = json.load(f)
+    if raw.get("model_type") == "llama4" or "text_config" in raw:
+        raw = dict(raw["text_config"], model_type="llama4_text")
+    return raw
+
+
+def _rope(raw):
+    params = raw.get("rope_parameters") or {}
+    scaling = raw.get("rope_scaling") or params
+    theta = params.get("rope_theta", raw.get("rope_theta", 10000.0))
+    rope_type = (scaling or {}).get("rope_type", (scaling or {}).get("type", "default"))
+    if rope_type in (None, "default"):
+        return float(theta), None
+    if rope_type != "llama3":
+        raise NotImplementedError(f"rope type {rope_type!r} is not supported (only default and llama3)")
+    keys = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+    return float(theta), FrozenDict({k: float(scaling[k]) if k != "original_max_position_embeddings"
+                                     else int(scaling[k]) for k in keys})
+
+
+def config_from_hf(path: str, **overrides) -> M.ModelConfig:
+    """A ModelConfig from a HF config.json (llama, llama4_text or multimodal llama4)."""
+    raw = _read_config(path)
+    mtype = raw.get("model_type")
+    if mtype not in ("llama", "llama4_text"):
+        raise NotImplementedError(f"{path}/config.json: model_type {mtype!r} is not supported")
+    if raw.get("hidden_act", "silu") != "silu" or raw.get("attention_bias") or raw.get("mlp_bias"):
+        raise NotImplementedError(f"{path}/config.json: only bias-free SiLU Llama layers are supported")
+    n_heads = raw["num_attention_heads"]
+    theta, scaling = _rope(raw)
+    kw = dict(
+        vocab_size=raw["vocab_size"], d_model=raw["hidden_size"], n_layers=raw["num_hidden_layers"],
+        n_heads=n_heads, n_kv_heads=raw.get("num_key_value_heads") or n_heads,
+        head_dim=raw.get("head_dim") or raw["hidden_size"] // n_heads, mlp_dim=raw["intermediate_size"],
+        rope_theta=theta, rope_scaling=scaling, norm_eps=raw.get("rms_norm_eps", 1e-5),
+        tie_embeddings=bool(raw.get("tie_word_embeddings", False)),
+    )
+    if mtype == "llama4_text":
+        L = raw["num_hidden_layers"]
+        moe_layers = raw.get("moe_layers")
+        if moe_layers is None:
+            step = raw.get("interleave_moe_layer_step", 1)
+            moe_layers = list(range(step - 1, L, step))
+        if list(moe_layers) != list(range(L)):
+            raise NotImplementedError(f"{path}: only all-MoE Llama-4 models (Scout) are supported, moe_layers={moe_layers}")
+        interval = raw.get("no_rope_layer_interval", 4)
+        no_rope = raw.get("no_rope_layers") or [int((i + 1) % interval != 0) for i in range(L)]
+        if all(no_rope):
+            interval = L + 1  # every layer RoPE + chunked
+        elif list(no_rope) != [int((i + 1) % interval != 0) for i in range(L)]:
+            raise NotImplementedError(f"{path}: no_rope_layers must be every {interval}-th layer, got {no_rope}")
+        kw.update(
+            num_experts=raw.get("num_local_experts", 16), num_experts_per_tok=raw.get("num_experts_per_tok", 1),
+            moe_mlp_dim=raw["intermediate_size"], shared_expert=True,
+            router_aux_loss_coef=float(raw.get("router_aux_loss_coef", 0.0)),
+            nope_layer_interval=interval, attention_chunk_size=int(raw.get("attention_chunk_size") or 0),
+            use_qk_norm=bool(raw.get("use_qk_norm", False)),
+            attn_temperature_tuning=bool(raw.get("attn_temperature_tuning", False)),
+            floor_scale=float(raw.get("floor_scale", 8192)), attn_scale=float(raw.get("attn_scale", 0.1)),
+        )
+    kw.update(overrides)
+    return M.ModelConfig(**kw)
+
+
+def hf_config_dict(cfg: M.ModelConfig) -> dict:
+    """config.json contents for a ModelConfig (LlamaForCausalLM or Llama4ForCausalLM)."""
+    common = dict(
+        vocab_size=cfg.vocab_size, hidden_size=cfg.d_model, num_hidden_layers=cfg.n_layers,
+        num_attention_heads=cfg.n_heads, num_key_value_heads=cfg.n_kv_heads, head_dim=cfg.head_dim,
+        rms_norm_eps=cfg.norm_eps, rope_theta=cfg.rope_theta, tie_word_embeddings=cfg.tie_embeddings,
+        hidden_act="silu", attention_bias=False, dtype=cfg.param_dtype,
+        rope_scaling=dict(cfg.rope_scaling, rope_type="llama3") if cfg.rope_scaling else None,
+    )
+    if not cfg.num_experts:
+        if cfg.nope_layer_interval or cfg.use_qk_norm:
+            raise NotImplementedError("dense models with Llama-4 attention have no HF equivalent here")
+        return dict(common, architectures=["LlamaForCausalLM"], model_type="llama",
+                    intermediate_size=cfg.mlp_dim, mlp_bias=False)
+    if cfg.moe_mlp_dim != cfg.mlp_dim or not cfg.shared_expert:
+        raise NotImplementedError("HF Llama-4 needs a shared expert as wide as the routed ones")
+    L, n = cfg.n_layers, cfg.nope_layer_interval
+    no_rope = [int(not n or (i + 1) % n != 0) for i in range(L)]
+    return dict(
+        common, architectures=["Llama4ForCausalLM"], model_type="llama4_text",
+        intermediate_size=cfg.moe_mlp_dim, intermediate_size_mlp=cfg.mlp_dim,
+        num_local_experts=cfg.num_experts, num_experts_per_tok=cfg.num_experts_per_tok,
+        interleave_moe_layer_step=1, moe_layers=list(range(L)), no_rope_layers=no_rope,
+        no_rope_layer_interval=n if 0 < n <= L else 4,
+        # HF chunks every RoPE layer; no chunk here means a chunk longer than any sequence.
+        attention_chunk_size=cfg.attention_chunk_size or (1 << 30), use_qk_norm=cfg.use_qk_norm,
+        attn_temperature_tuning=cfg.attn_temperature_tuning, floor_scale=int(cfg.floor_scale),
+        attn_scale=cfg.attn_scale, router_aux_loss_coef=cfg.router_aux_loss_coef,
+    )
+
+
+# ----------------------------------------------------------------------------- safetensors
+
+class _SafetensorsDir:
+    """Memory-mapped tensors of a checkpoint directory (single file or sharded index)."""
+
+    def __init__(self, path):
+        index = os.path.join(path, "model.safetensors.index.json")
+        if os.path.exists(index):
+            with open(index) as f:
+                files = sorted(set(json.load(f)["weight_map"].values()))
+        else:
+            files = sorted(n for n in os.listdir(path) if n.endswith(".safetensors"))
+        if not files:
+            raise FileNotFoundError(f"no .safetensors files in {path}")
+        self.entries = {}
+        for name in files:
+            fname = os.path.join(path, name)
+            with open(fname, "rb") as f:
+                (n,) = struct.unpack("<Q", f.read(8))
+                header = json.loads(f.read(n))
+            header.pop("__metadata__", None)
+            for key, info in header.items():
+                if info["dtype"] not in _ST_DTYPES:
+                    raise NotImplementedError(f"{fname}: tensor {key} has unsupported dtype {info['dtype']}")
+                self.entries[key] = (fname, 8 + n + info["data_offsets"][0], info["dtype"], tuple(info["shape"]))
+        self._maps = {}
+
+    def keys(self):
+        return self.entries.keys()
+
+    def __getitem__(self, key):
+        """A read-only np.memmap view: slicing it reads only the pages needed."""
+        if key not in self._maps:
+            fname, offset, dt, shape = self.entries[key]
+            if math.prod(shape) == 0:
+                self._maps[key] = np.zeros(shape, _ST_DTYPES[dt])
+            else:
+                self._maps[key] = np.memmap(fname, dtype=_ST_DTYPES[dt], mode="r", offset=offset, shape=shape)
+        return self._maps[key]
+
+
+def _write_safetensors(fname, tensors: dict[str, Callable[[], np.ndarray]], specs: dict[str, tuple]):
+    """Stream tensors into one file: the header first (from specs: name -> (dtype, shape)), then
+    each tensor produced on demand, so only one is on the host at a time."""
+    header, offset = {}, 0
+    for name, (dt, shape) in specs.items():
+        size = math.prod(shape) * np.dtype(dt).itemsize
+        header[name] = {"dtype": _NP_TO_ST[np.dtype(dt)], "shape": list(shape), "data_offsets": [offset, offset + size]}
+        offset += size
+    header["__metadata__"] = {"format": "pt"}
+    blob = json.dumps(header, separators=(",", ":")).encode()
+    blob += b" " * (-len(blob) % 8)
+    with open(fname, "wb") as f:
+        f.write(struct.pack("<Q", len(blob)))
+        f.write(blob)
+        for name, (dt, shape) in specs.items():
+            arr = np.ascontiguousarray(np.asarray(tensors[name](), dtype=dt))
+            assert arr.shape == tuple(shape), (name, arr.shape, shape)
+            f.write(arr.tobytes())
+
+
+# ----------------------------------------------------------------------------- name mapping
+
+def _rope_perm(H):
+    """Feature order that turns interleaved-pair RoPE into rotate-half RoPE."""
+    return np.concatenate([np.arange(0, H, 2), np.arange(1, H, 2)])
+
+
+def _param_specs(cfg: M.ModelConfig):
+    """Our parameter path -> (HF key template or None, reader kind). '{i}' is the layer."""
+    llama4 = bool(cfg.num_experts)
+    a = "model.layers.{i}.self_attn."
+    specs = {
+        ("embed",): ("model.embed_tokens.weight", "same"),
+        ("final_norm", "scale"): ("model.norm.weight", "same"),
+        ("layers", "attn_norm", "scale"): ("model.layers.{i}.input_layernorm.weight", "same"),
+        ("layers", "mlp_norm", "scale"): ("model.layers.{i}.post_attention_layernorm.weight", "same"),
+        ("layers", "attn", "q", "kernel"): (a + "q_proj.weight", "in_rope" if llama4 else "in_heads"),
+        ("layers", "attn", "k", "kernel"): (a + "k_proj.weight", "in_rope" if llama4 else "in_heads"),
+        ("layers", "attn", "v", "kernel"): (a + "v_proj.weight", "in_heads"),
+        ("layers", "attn", "o", "kernel"): (a + "o_proj.weight", "out_heads"),
+    }
+    if not cfg.tie_embeddings:
+        specs[("lm_head",)] = ("lm_head.weight", "T")
+    if llama4:
+        f = "model.layers.{i}.feed_forward."
+        specs.update({
+            ("layers", "moe", "router"): (f + "router.weight", "T"),
+            ("layers", "moe", "wi_gate"): (f + "experts.gate_up_proj", "gate_half"),
+            ("layers", "moe", "wi_up"): (f + "experts.gate_up_proj", "up_half"),
+            ("layers", "moe", "wo"): (f + "experts.down_proj", "same"),
+        })
+        mlp, prefix = ("layers", "moe", "shared"), f + "shared_expert."
+    else:
+        mlp, prefix = ("layers", "mlp"), "model.layers.{i}.mlp."
+    for name in ("gate", "up", "down"):
+        specs[mlp + (name, "kernel")] = (prefix + f"{name}_proj.weight", "T")
+    return specs
+
+
+def _norm_index(index, shape):
+    return tuple(slice(*s.indices(n)) for s, n in zip(index, shape))
+
+
+def _read_block(src, kind, idx, shape):
+    """Our-layout block `idx` (tuple of slices over the per-layer `shape`) of HF tensor `src`."""
+    if kind == "same":
+        return src[idx]
+    if kind == "T":  # HF [out, in] -> ours [in, out]
+        return src[idx[1], idx[0]].T
+    if kind in ("gate_half", "up_half"):  # fused [E, D, 2F] -> [E, D, F]
+        F = shape[2]
+        off = 0 if kind == "gate_half" else F
+        return src[idx[0], idx[1], slice(idx[2].start + off, idx[2].stop + off)]
+    if kind in ("in_heads", "in_rope"):  # HF [N*H, D] -> ours [D, N, H]
+        sd, sn, sh = idx
+        H = shape[2]
+        blk = np.asarray(src[sn.start * H:sn.stop * H, sd]).reshape(sn.stop - sn.start, H, -1)
+        if kind == "in_rope":
+            blk = blk[:, _rope_perm(H)]
+        return blk[:, sh].transpose(2, 0, 1)
+    if kind == "out_heads":  # HF [D, N*H] -> ours [N, H, D]
+        sn, sh, sd = idx
+        H = shape[1]
+        blk = np.asarray(src[sd, sn.start * H:sn.stop * H]).reshape(-1, sn.stop - sn.start, H)
+        return blk[:, :, sh].transpose(1, 2, 0)
+    raise ValueError(kind)
+
+
+def _to_hf(arr, kind, H=None):
+    """Inverse of _read_block on a whole per-layer array (for saving)."""
+    if kind == "same":
+        return arr
+    if kind == "T":
+        return arr.T
+    if kind in ("in_heads", "in_rope"):
+        if kind == "in_rope":
+            arr = arr[:, :, np.argsort(_rope_perm(arr.shape[2]))]
+        return arr.reshape(arr.shape[0], -1).T
+    if kind == "out_heads":
+        return arr.reshape(-1, arr.shape[2]).T
+    raise ValueError(kind)
+
+
+def _flat(tree, prefix=()):
+    for k, v in tree.items():
+        if isinstance(v, dict):
+            yield from _flat(v, prefix + (k,))
+        else:
+            yield prefix + (k,), v
+
+
+def _set(tree, path, value):
+    for k in path[:-1]:
+        tree = tree.setdefault(k, {})
+    tree[path[-1]] = value
+
+
+# ----------------------------------------------------------------------------- load / save
+
+def abstract_params(cfg: M.ModelConfig, mesh):
+    """(ShapeDtypeStructs, NamedShardings) of the unboxed params, allocating nothing."""
+    with jax.set_mesh(mesh):
+        boxed = jax.eval_shape(lambda: M.init_params(cfg, jax.random.key(0)))
+    shapes = nn.unbox(boxed)
+    return shapes, sharding.tree_shardings(mesh, nn.get_partition_spec(boxed))
+
+
+def load_hf_checkpoint(path: str, cfg: M.ModelConfig | None = None, mesh=None):
+    """Unboxed params (a dict like init_params' after nn.unbox), each a global jax.Array with
+    the sharding its logical axes give on `mesh` (default: one device)."""
+    cfg = cfg or config_from_hf(path)
+    mesh = mesh or sharding.make_mesh(devices=jax.devices()[:1])
+    files = _SafetensorsDir(path)
+    prefix = ""
+    if "model.embed_tokens.weight" not in files.keys():
+        hits = [k[: -len("model.embed_tokens.weight")] for k in files.keys() if k.endswith("model.embed_tokens.weight")]
+        if len(hits) != 1:
+            raise KeyError(f"{path}: no (unique) model.embed_tokens.weight among the checkpoint tensors")
+        prefix = hits[0]
+    shapes, shardings = abstract_params(cfg, mesh)
+    specs = _param_specs(cfg)
+    out = {}
+    for ppath, sds in _flat(shapes):
+        if ppath not in specs:
+            raise KeyError(f"no HF tensor known for parameter {'/'.join(ppath)}")
+        key, kind = specs[ppath]
+        key = prefix + key
+        stacked = ppath[0] == "layers"
+        per_layer_shape = sds.shape[1:] if stacked else sds.shape
+        for i in range(cfg.n_layers if stacked else 1):
+            k = key.format(i=i)
+            if k not in files.keys():
+                raise KeyError(f"{path}: tensor {k} (for {'/'.join(ppath)}) is missing")
+
+        def cb(index, key=key, kind=kind, stacked=stacked, shape=per_layer_shape, dtype=sds.dtype):
+            index = _norm_index(index, ((cfg.n_layers,) if stacked else ()) + tuple(shape))
+            if not stacked:
+                return np.asarray(_read_block(files[key], kind, index, shape), dtype=dtype)
+            return np.stack([np.asarray(_read_block(files[key.format(i=i)], kind, index[1:], shape), dtype=dtype)
+                             for i in range(index[0].start, index[0].stop)])
+
+        _set(out, ppath, jax.make_array_from_callback(sds.shape, shardings_at(shardings, ppath), cb))
+    return out
+
+
+def shardings_at(tree, path):
+    for k in path:
+        tree = tree[k]
+    return tree
+
+
+_layer = jax.jit(lambda a, i: jax.lax.dynamic_index_in_dim(a, i, keepdims=False))
+
+
+def _host(arr, i):
+    """Layer i of a stacked (possibly sharded) array, or the whole array, on the host."""
+    return np.asarray(jax.device_get(arr if i is None else _layer(arr, i)))
+
+
+def save_hf_checkpoint(params, cfg: M.ModelConfig, path: str, dtype: str | None = None,
+                       max_shard_bytes: int = 5 << 30):
+    """Write `params` (unboxed) as HF safetensors shards + index + config.json.
+
+    Tensors are fetched to the host one (layer, weight) at a time. Single-process only: on a
+    multi-host mesh gather with process_allgather first."""
+    os.makedirs(path, exist_ok=True)
+    np_dtype = np.dtype(ml_dtypes.bfloat16) if (dtype or cfg.param_dtype) == "bfloat16" else np.dtype(np.float32)
+    specs = _param_specs(cfg)
+    flat = dict(_flat(params))
+    jobs = {}  # hf name -> (dtype, shape, producer)
+    for ppath, (key, kind) in specs.items():
+        arr = flat[ppath]
+        layers = range(cfg.n_layers) if ppath[0] == "layers" else [None]
+        for i in layers:
+            def produce(arr=arr, i=i, kind=kind, ppath=ppath):
+                x = _host(arr, i)
+                if kind == "gate_half":  # fuse gate and up: [E, D, F] x2 -> [E, D, 2F]
+                    x = np.concatenate([x, _host(flat[ppath[:-1] + ("wi_up",)], i)], axis=-1)
+                return _to_hf(x, "same" if kind == "gate_half" else kind)
+            if kind == "up_half":
+                continue
+            shape = arr.shape[1:] if i is not None else arr.shape
+            if kind == "gate_half":
+                shape = shape[:-1] + (2 * shape[-1],)
+            elif kind == "T":
+                shape = shape[::-1]
+            elif kind in ("in_heads", "in_rope"):
+                shape = (shape[1] * shape[2], shape[0])
+            elif kind == "out_heads":
+                shape = (shape[2], shape[0] * shape[1])
+            jobs[key.format(i=i)] = (np_dtype, tuple(shape), produce)
+    # Shards in layer order, each at most max_shard_bytes (one tensor may exceed it alone).
+    groups, cur, size = [], [], 0
+    for name, (dt, shape, _) in jobs.items():
+        nbytes = math.prod(shape) * dt.itemsize
+        if cur and size + nbytes > max_shard_bytes:
+            groups.append(cur)
+            cur, size = [], 0
+        cur.append(name)
+        size += nbytes
+    groups.append(cur)
+    weight_map = {}
+    for g, names in enumerate(groups):
+        fname = "model.safetensors" if len(groups) == 1 else f"model-{g + 1:05d}-of-{len(groups):05d}.safetensors"
+        _write_safetensors(os.path.join(path, fname), {n: jobs[n][2] for n in names},
+                           {n: jobs[n][:2] for n in names})
+        weight_map.update({n: fname for n in names})
+    if len(groups) > 1:
+        total = sum(math.prod(s) * d.itemsize for d, s, _ in jobs.values())
+        with open(os.path.join(path, "model.safetensors.index.json"), "w") as f:
+            json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(hf_config_dict(cfg), f, indent=2)
