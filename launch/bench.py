@@ -97,8 +97,7 @@ def bench_size(name, cfg, peak):
     tokens = np.concatenate([rl_prompts, np.asarray(out.tokens_BT)], 1)
     loss_mask = np.concatenate([np.zeros((B, PROMPT_LEN)), np.ones((B, NEW_TOKENS))], 1).astype(np.float32)
     old_logp = np.concatenate([np.zeros((B, PROMPT_LEN)), np.asarray(out.logprobs_BT)], 1).astype(np.float32)
-    batch = {"tokens": tokens.reshape(PROMPTS, G, L), "token_mask": np.ones((PROMPTS, G, L), bool),
-             "loss_mask": loss_mask.reshape(PROMPTS, G, L), "old_logp": old_logp.reshape(PROMPTS, G, L),
+    batch = {"tokens": tokens, "token_mask": np.ones((B, L), bool), "loss_mask": loss_mask, "old_logp": old_logp,
              "rewards": rng.integers(0, 2, size=(PROMPTS, G)).astype(np.float32)}
     step = ts.jit_step(ts.rl_step, state_sh, mesh, model_cfg=cfg, rl_cfg=rl_cfg, optimizer=opt)
     holder = {"state": state}

@@ -87,3 +87,12 @@ def replicated(mesh: Mesh) -> NamedSharding:
 def batch_sharding(mesh: Mesh, ndim: int) -> NamedSharding:
     """Leading axis over the data-parallel axes, the rest replicated."""
     return logical_sharding(mesh, ("batch",) + (None,) * (ndim - 1))
+
+
+def constrain_batch(x, mesh: Mesh | None, axis: int = 0):
+    """Keep `x` split over the data axes along `axis` (inside jit); no-op without a mesh."""
+    if mesh is None:
+        return x
+    spec = [None] * x.ndim
+    spec[axis] = nn.logical_to_mesh_axes(("batch",), LOGICAL_RULES)[0]
+    return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, PartitionSpec(*spec)))

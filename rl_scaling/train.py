@@ -175,7 +175,7 @@ def warm_start(config, task, train_cfg, gen_cfg, mesh, gen_kw):
     optimizer = ts.make_optimizer(opt_cfg)
     state_sh = ts.state_shardings(train_cfg, optimizer, mesh)
     state = ts.init_state(train_cfg, optimizer, jax.random.key(config.seed), mesh, state_sh)
-    step_fn = ts.jit_step(ts.sft_step, state_sh, mesh, model_cfg=train_cfg, optimizer=optimizer)
+    step_fn = ts.jit_step(ts.sft_step, state_sh, mesh, ts.SFT_BATCH_KEYS, model_cfg=train_cfg, optimizer=optimizer)
     tok = task.tokenizer
     offset = 2 * data.TRAIN_POOL  # indices the RL stream never uses
     probe = [task.train_problem(offset + i) for i in range(ws.probe_prompts)]

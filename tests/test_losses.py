@@ -106,3 +106,14 @@ def test_zero_variance_prompts_get_no_gradient():
         losses.cispo(lp, jnp.asarray(old_logp), adv, jnp.asarray(mask)), jnp.asarray(mask), keep))(jnp.asarray(logp))
     assert np.all(np.asarray(grad)[:2] == 0.0)  # prompts 0 and 1 have constant rewards
     assert np.abs(np.asarray(grad)[2:]).sum() > 0
+
+
+@pytest.mark.parametrize("name", ["prompt", "sample", "token"])
+def test_aggregation_weights_reproduce_the_aggregation(name):
+    logp, old_logp, mask, rewards = ragged_batch(5)
+    loss = np.random.default_rng(0).normal(size=logp.shape)
+    _, keep = np_advantages(rewards, "batch", True)
+    with jax.enable_x64(True):
+        w = losses.aggregation_weights(name, jnp.asarray(mask), jnp.asarray(keep))
+        expected = losses.AGGREGATIONS[name](jnp.asarray(loss), jnp.asarray(mask), jnp.asarray(keep))
+        assert np.isclose(float((w * loss).sum()), float(expected), rtol=1e-12)

@@ -25,8 +25,9 @@ def random_batch(seed=0):
             token_mask[p, g, 5 + lengths[p, g]:] = False
     old_logp = np.where(loss_mask > 0, -rng.exponential(2.0, size=(P, G, L)), 0.0).astype(np.float32)
     rewards = rng.integers(0, 2, size=(P, G)).astype(np.float32)
-    return {"tokens": tokens, "token_mask": token_mask, "loss_mask": loss_mask, "old_logp": old_logp,
-            "rewards": rewards}
+    flat = lambda x: x.reshape(P * G, L)  # noqa: E731
+    return {"tokens": flat(tokens), "token_mask": flat(token_mask), "loss_mask": flat(loss_mask),
+            "old_logp": flat(old_logp), "rewards": rewards}
 
 
 def run_step(mesh, rl_overrides=None, seed=0):

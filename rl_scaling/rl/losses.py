@@ -81,14 +81,22 @@ def token_average(loss, mask, keep):
 
 AGGREGATIONS = {"prompt": prompt_average, "sample": sample_average, "token": token_average}
 
-# The denominator each aggregation divides by, so that gradients accumulated over
-# microbatches (sum of loss_mb * count_mb, divided by the total count) equal the
-# full-batch gradient exactly.
-AGGREGATION_COUNTS = {
-    "prompt": lambda mask, keep: keep.sum(),
-    "sample": lambda mask, keep: (keep[:, None] * (mask.sum(2) > 0)).sum(),
-    "token": lambda mask, keep: (mask * keep[:, None, None]).sum(),
-}
+def aggregation_weights(name, mask, keep):
+    """Per-token weights w with sum(w * loss) == AGGREGATIONS[name](loss, mask, keep).
+
+    The loss is then linear in the tokens, so it can be split into microbatches of whole
+    samples (gradient accumulation, sharding over samples) and summed back exactly."""
+    if name == "prompt":
+        per_prompt = keep / jnp.maximum(mask.sum((1, 2)), 1.0) / jnp.maximum(keep.sum(), 1.0)
+        return mask * per_prompt[:, None, None]
+    if name == "sample":
+        weight = keep[:, None] * (mask.sum(2) > 0)
+        per_sample = weight / jnp.maximum(mask.sum(2), 1.0) / jnp.maximum(weight.sum(), 1.0)
+        return mask * per_sample[..., None]
+    if name == "token":
+        m = mask * keep[:, None, None]
+        return m / jnp.maximum(m.sum(), 1.0)
+    raise ValueError(f"rl.aggregation must be one of {sorted(AGGREGATIONS)}; got {name!r}")
 
 
 # ---- advantages: rewards_PG -> (adv_PG, keep_P) ----------------------------------------

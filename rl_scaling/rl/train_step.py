@@ -1,15 +1,17 @@
 """The train state, the optimizer and the jitted steps (RL and supervised warm start).
 
 `rl_step(state, batch) -> (state, metrics)` is a free function, jitted once with
-shardings and buffer donation. A batch is P prompts x G samples of full sequences
-(left-padded prompt, right-padded completion):
-  tokens_PGL      int32   prompt + completion tokens
-  token_mask_PGL  bool    real (non-pad) tokens
-  loss_mask_PGL   float32 1.0 on sampled completion tokens (forced/injected tokens: 0.0)
-  old_logp_PGL    float32 generator log-prob of each token (0 where not sampled)
-  rewards_PG      float32
-Minibatches (PPO-off-policy-k: k updates per generated batch) run inside via lax.scan
-over whole prompts, after advantages are computed on the full batch.
+shardings and buffer donation. A batch is N = P x G samples
+(a prompt's G samples contiguous) of full sequences (left-padded prompt, right-padded
+completion):
+  tokens_NL      int32   prompt + completion tokens
+  token_mask_NL  bool    real (non-pad) tokens
+  loss_mask_NL   float32 1.0 on sampled completion tokens (forced/injected tokens: 0.0)
+  old_logp_NL    float32 generator log-prob of each token (0 where not sampled)
+  rewards_PG     float32 (replicated; the per-sample arrays are split over the data axes)
+Advantages are computed on the full batch; minibatches (PPO-off-policy-k: k updates per
+generated batch) of whole prompts run inside via lax.scan; the aggregation is turned into
+per-token weights, so microbatches (gradient accumulation) are exact.
 """
 
 from __future__ import annotations
@@ -95,17 +97,14 @@ def token_logprobs(params, model_cfg, tokens_BL, token_mask_BL, temperature=1.0,
 
 
 def _policy_loss(params, mb, *, model_cfg, rl_cfg):
-    P, G, L = mb["tokens"].shape
-    logp = token_logprobs(
-        params, model_cfg, mb["tokens"].reshape(P * G, L), mb["token_mask"].reshape(P * G, L), rl_cfg.temperature,
-        rl_cfg.logprob_chunk,
-    ).reshape(P, G, L - 1)
-    mask = mb["loss_mask"][..., 1:]
-    old_logp = mb["old_logp"][..., 1:]
+    """sum(weight * per-token loss) over a microbatch of whole samples [n, L]."""
+    logp = token_logprobs(params, model_cfg, mb["tokens"], mb["token_mask"], rl_cfg.temperature, rl_cfg.logprob_chunk)
+    mask = mb["loss_mask"][:, 1:]
+    old_logp = mb["old_logp"][:, 1:]
     per_token = losses.LOSSES[rl_cfg.loss](logp, old_logp, mb["adv"], mask, **loss_hparams(rl_cfg))
     if rl_cfg.kl_coef:  # k3 estimator against the generator policy (off by default)
         per_token = per_token + rl_cfg.kl_coef * losses.kl_k3(logp, old_logp)
-    loss = losses.AGGREGATIONS[rl_cfg.aggregation](per_token, mask, mb["keep"])
+    loss = (per_token * mb["weight"][:, 1:]).sum()
     n_tok = jnp.maximum(mask.sum(), 1.0)
     rho = jnp.exp(logp - old_logp)
     stats = {
@@ -118,44 +117,43 @@ def _policy_loss(params, mb, *, model_cfg, rl_cfg):
     return loss, stats
 
 
-def rl_step(state, batch, *, model_cfg, rl_cfg, optimizer):
+def rl_step(state, batch, *, model_cfg, rl_cfg, optimizer, mesh=None):
+    """One generated batch -> `num_minibatches` optimizer updates (PPO-off-policy-k), each
+    accumulated over `grad_accum` microbatches of whole samples."""
+    P, G = batch["rewards"].shape
     adv, keep = losses.advantages(batch["rewards"], norm=rl_cfg.adv_norm, zero_var_filter=rl_cfg.zero_var_filter)
+    M, A = rl_cfg.num_minibatches, rl_cfg.grad_accum
+    # Per-sample arrays [N, L] (a prompt's G samples contiguous) -> minibatches of whole prompts.
     data = {k: batch[k] for k in ("tokens", "token_mask", "loss_mask", "old_logp")}
-    data["adv"], data["keep"] = adv, keep
-    M = rl_cfg.num_minibatches
-    minibatches = jax.tree.map(lambda x: x.reshape((M, x.shape[0] // M) + x.shape[1:]), data)
+    data["adv"] = adv.reshape(P * G)
+    data = jax.tree.map(lambda x: x.reshape((M, x.shape[0] // M) + x.shape[1:]), data)
+    keep_M = keep.reshape(M, P // M)
     grad_fn = jax.value_and_grad(functools.partial(_policy_loss, model_cfg=model_cfg, rl_cfg=rl_cfg), has_aux=True)
 
-    def accumulated_grads(params, mb):
-        """Gradient over `grad_accum` microbatches of whole prompts, exactly the full
-        minibatch's: each microbatch loss is weighted by its aggregation count."""
-        A = rl_cfg.grad_accum
+    def grads_of(params, mb, keep_p):
+        n, L = mb["tokens"].shape
+        mask_pGT = mb["loss_mask"].reshape(n // G, G, L)
+        mb = dict(mb, weight=losses.aggregation_weights(rl_cfg.aggregation, mask_pGT, keep_p).reshape(n, L))
         if A == 1:
             return grad_fn(params, mb)
-        count_of = losses.AGGREGATION_COUNTS[rl_cfg.aggregation]
-        micro = jax.tree.map(lambda x: x.reshape((A, x.shape[0] // A) + x.shape[1:]), mb)
-        counts = jax.vmap(lambda m: count_of(m["loss_mask"][..., 1:], m["keep"]))(micro)
-        total = jnp.maximum(counts.sum(), 1.0)
+        micro = jax.tree.map(lambda x: sharding.constrain_batch(x.reshape((A, n // A) + x.shape[1:]), mesh, axis=1), mb)
 
-        def add(grads_sum, xs):
-            m, count = xs
+        def add(grads_sum, m):
             (loss, stats), grads = grad_fn(params, m)
-            grads_sum = jax.tree.map(lambda a, g: a + g * (count / total), grads_sum, grads)
-            return grads_sum, (loss * count / total, stats)
+            return jax.tree.map(jnp.add, grads_sum, grads), (loss, stats)
 
-        zeros = jax.tree.map(jnp.zeros_like, params)
-        grads, (losses_w, stats) = jax.lax.scan(add, zeros, (micro, counts))
-        return (losses_w.sum(), jax.tree.map(lambda v: v.mean(), stats)), grads
+        grads, (loss_A, stats) = jax.lax.scan(add, jax.tree.map(jnp.zeros_like, params), micro)
+        return (loss_A.sum(), jax.tree.map(jnp.mean, stats)), grads
 
-    def update(carry, mb):
+    def update(carry, xs):
         params, opt_state = carry
-        (loss, stats), grads = accumulated_grads(params, mb)
+        (loss, stats), grads = grads_of(params, *xs)
         updates, opt_state = optimizer.update(grads, opt_state, params)
         params = optax.apply_updates(params, updates)
         stats = dict(stats, loss=loss, grad_norm=optax.global_norm(grads))
         return (params, opt_state), stats
 
-    (params, opt_state), stats = jax.lax.scan(update, (state["params"], state["opt_state"]), minibatches)
+    (params, opt_state), stats = jax.lax.scan(update, (state["params"], state["opt_state"]), (data, keep_M))
     metrics = {k: v.mean() for k, v in stats.items()}
     metrics["rho_abs_dev_first_mb"] = stats["rho_abs_dev"][0]  # generator/trainer mismatch, before any update
     metrics["keep_frac"] = keep.mean()
@@ -164,7 +162,7 @@ def rl_step(state, batch, *, model_cfg, rl_cfg, optimizer):
     return new_state, metrics
 
 
-def sft_step(state, batch, *, model_cfg, optimizer):
+def sft_step(state, batch, *, model_cfg, optimizer, mesh=None):
     """Cross-entropy on the completion tokens of reference solutions (warm start)."""
 
     def loss_fn(params):
@@ -178,15 +176,19 @@ def sft_step(state, batch, *, model_cfg, optimizer):
     return {"params": params, "opt_state": opt_state, "step": state["step"] + 1}, {"loss": loss}
 
 
-def jit_step(step_fn, state_sh, mesh, **static):
-    """jit with the state's shardings, the batch split over the data axes along its
-    leading (prompt) axis, and the old state donated."""
-    return jax.jit(
-        functools.partial(step_fn, **static),
-        in_shardings=(state_sh, sharding.batch_sharding(mesh, 1)),
-        out_shardings=(state_sh, sharding.replicated(mesh)),
-        donate_argnums=0,
-    )
+RL_BATCH_KEYS = ("tokens", "token_mask", "loss_mask", "old_logp", "rewards")
+SFT_BATCH_KEYS = ("tokens", "token_mask", "loss_mask")
+REPLICATED_KEYS = ("rewards",)  # [P, G]: tiny, and P need not divide the device count
+
+
+def jit_step(step_fn, state_sh, mesh, batch_keys=RL_BATCH_KEYS, **static):
+    """jit with the state's shardings, per-sample batch arrays split over the data axes
+    along their leading axis, and the old state donated."""
+    fn = functools.partial(step_fn, mesh=mesh, **static)
+    batch_sh = {k: sharding.replicated(mesh) if k in REPLICATED_KEYS else sharding.batch_sharding(mesh, 1)
+                for k in batch_keys}
+    return jax.jit(fn, in_shardings=(state_sh, batch_sh), out_shardings=(state_sh, sharding.replicated(mesh)),
+                   donate_argnums=0)
 
 
 def loss_hparams(rl_cfg) -> dict:

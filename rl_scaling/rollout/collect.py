@@ -29,17 +29,16 @@ def generate(params, gen_cfg, task, problems, samples_per_prompt, rng, *, max_pr
 
 
 def rl_batch(prompt_tokens, prompt_mask, out, rewards, P, G):
-    """Pack prompts + completions into the P x G x L arrays `rl_step` takes."""
+    """Pack prompts + completions into the [P*G, L] arrays (and [P, G] rewards) `rl_step` takes."""
     completion_mask = np.arange(out.tokens_BT.shape[1])[None, :] < out.lengths_B[:, None]
     tokens, token_mask = data.pack_sequences(prompt_tokens, prompt_mask, out.tokens_BT, completion_mask)
     pad = np.zeros_like(prompt_mask, np.float32)
     loss_mask = np.concatenate([pad, (completion_mask & ~out.forced_BT).astype(np.float32)], axis=1)
     old_logp = np.concatenate([pad, np.where(completion_mask, out.logprobs_BT, 0.0)], axis=1).astype(np.float32)
-    L = tokens.shape[1]
     return {
-        "tokens": tokens.reshape(P, G, L),
-        "token_mask": token_mask.reshape(P, G, L),
-        "loss_mask": loss_mask.reshape(P, G, L),
-        "old_logp": old_logp.reshape(P, G, L),
+        "tokens": tokens,
+        "token_mask": token_mask,
+        "loss_mask": loss_mask,
+        "old_logp": old_logp,
         "rewards": rewards.reshape(P, G),
     }
