@@ -33,10 +33,21 @@ class ArithmeticTask:
     reference_completion = staticmethod(arithmetic.reference_completion)
 
 
-TASKS = {"arithmetic": ArithmeticTask}
+def _jsonl_math(task_cfg, seed):
+    """Math word problems from a JSONL file (`task.path`), a tokenizer.json (`task.tokenizer`)."""
+    from rl_scaling.tasks import hf_tokenizer, jsonl_math
+
+    for field in ("path", "tokenizer"):
+        if not task_cfg.get(field):
+            raise ValueError(f"config.task.{field} must name a file for task.name='jsonl_math'")
+    return jsonl_math.JsonlMathTask(task_cfg.path, hf_tokenizer.HFTokenizer(task_cfg.tokenizer), seed=seed,
+                                    heldout_fraction=task_cfg.get("heldout_fraction", 0.02))
+
+
+TASKS = {"arithmetic": lambda task_cfg, seed: ArithmeticTask(seed), "jsonl_math": _jsonl_math}
 
 
 def make_task(task_cfg, seed: int):
     if task_cfg.name not in TASKS:
         raise ValueError(f"config.task.name={task_cfg.name!r} is not valid; choose one of {sorted(TASKS)}")
-    return TASKS[task_cfg.name](seed)
+    return TASKS[task_cfg.name](task_cfg, seed)
