@@ -63,24 +63,31 @@ class Fit:
 
 # ---------------------------------------------------------------- checks and window
 
-def check_curve(compute, pass_rate, source="input"):
-    """Validate one run's curve; raise ScalingDataError naming the point at fault."""
+def check_curve(compute, pass_rate, source="input", where=None, columns=("compute", "pass_rate")):
+    """Validate one run's curve; raise ScalingDataError naming the point at fault.
+
+    where: optional label per point (e.g. 'metrics.jsonl:17') used in messages instead of 'point i';
+    columns: the names of the compute and pass-rate columns in the source.
+    """
     c = np.asarray(compute, dtype=float)
     y = np.asarray(pass_rate, dtype=float)
     if c.ndim != 1 or c.shape != y.shape:
-        raise ScalingDataError(f"{source}: compute and pass_rate must be 1-D of equal length, got {c.shape} and {y.shape}")
-    for name, v in (("compute", c), ("pass_rate", y)):
+        raise ScalingDataError(f"{source}: compute and pass_rate must be 1-D of equal length, "
+                               f"got {c.shape} and {y.shape}")
+    at = (lambda i: where[i]) if where is not None else (lambda i: f"{source}: point {i}")
+    for name, v in zip(columns, (c, y)):
         bad = np.flatnonzero(~np.isfinite(v))
         if bad.size:
-            raise ScalingDataError(f"{source}: point {bad[0]}: {name} is {v[bad[0]]} (NaN or infinite)")
+            raise ScalingDataError(f"{at(bad[0])}: column '{name}' is {v[bad[0]]} (NaN or infinite)")
     if (c < 0).any():
         i = int(np.flatnonzero(c < 0)[0])
-        raise ScalingDataError(f"{source}: point {i}: negative compute {c[i]}")
+        raise ScalingDataError(f"{at(i)}: column '{columns[0]}' is negative ({c[i]})")
     if c.size > 1 and (np.diff(c) <= 0).any():
         i = int(np.flatnonzero(np.diff(c) <= 0)[0]) + 1
         what = "compute 0 appears twice" if c[i] == 0 else "compute does not increase"
-        raise ScalingDataError(f"{source}: point {i}: {what} ({c[i - 1]} then {c[i]}); "
-                               "each eval needs a larger compute (a resumed run may have logged a step twice)")
+        raise ScalingDataError(f"{at(i)}: column '{columns[0]}': {what} ({c[i - 1]:g} then {c[i]:g}); "
+                               "each eval needs more compute than the one before (a resumed run may have "
+                               "logged a step twice)")
     return c, y
 
 
@@ -122,7 +129,8 @@ def lm_solve(model, z, y, theta0, free, lo, hi, w=None, max_iter=200, rtol=1e-10
     """Levenberg-Marquardt with box constraints over a batch of independent problems.
 
     model(z, theta (R, P)) -> (f (R, N), jac (R, N, P)); y (R, N); w (R, N) non-negative weights
-    (bootstrap multiplicities; None = 1); free (P,) bool marks fitted parameters. Bounds are kept by
+    (bootstrap multiplicities; None = 1); free (P,) bool marks fitted parameters; lo, hi (P,) or (R, P)
+    bounds (a parameter held fixed per row sits in equal bounds or outside `free`). Bounds are kept by
     freezing a parameter that sits on its bound while the gradient pushes outward, then clipping.
     Returns theta (R, P), ssr (R,), converged (R,).
     """
@@ -131,10 +139,13 @@ def lm_solve(model, z, y, theta0, free, lo, hi, w=None, max_iter=200, rtol=1e-10
     w = np.ones_like(y) if w is None else np.broadcast_to(w, y.shape)
     z = np.broadcast_to(z, y.shape)
     free = np.asarray(free, dtype=bool)
-    theta = np.clip(np.array(theta0, dtype=float).reshape(R, -1), lo, hi)
+    theta = np.array(theta0, dtype=float).reshape(R, -1)
+    lo, hi = (np.broadcast_to(np.asarray(b, dtype=float), theta.shape) for b in (lo, hi))
+    theta = np.clip(theta, lo, hi)
     f, jac = model(z, theta)
     res = y - f
     ssr = np.einsum("rn,rn->r", w, res * res)
+    H, g = _normal_equations(jac, res, w, free)  # cached: a rejected step leaves them unchanged
     lam = np.full(R, 1e-3)
     done = np.zeros(R, dtype=bool)
     eye = np.eye(free.sum())
@@ -142,31 +153,34 @@ def lm_solve(model, z, y, theta0, free, lo, hi, w=None, max_iter=200, rtol=1e-10
         act = np.flatnonzero(~done)
         if act.size == 0:
             break
-        th, J, r, wa = theta[act], jac[act][..., free], res[act], w[act]
-        JW = J * wa[..., None]
-        H = np.einsum("rni,rnj->rij", JW, J)
-        g = np.einsum("rni,rn->ri", JW, r)  # descent direction is +g
-        tf = th[:, free]
-        pinned = ((tf <= lo[free]) & (g < 0)) | ((tf >= hi[free]) & (g > 0))
+        Ha, ga, tf = H[act], g[act], theta[act][:, free]
+        lf, hf = lo[act][:, free], hi[act][:, free]
+        pinned = ((tf <= lf) & (ga < 0)) | ((tf >= hf) & (ga > 0))  # +g is the descent direction
         keep = ~pinned
-        H = H * keep[:, :, None] * keep[:, None, :] + eye * pinned[:, :, None]
-        g = g * keep
-        d = np.maximum(np.einsum("rii->ri", H), 1e-12)
-        Hd = H + lam[act, None, None] * eye * d[:, :, None]
-        step = np.linalg.solve(Hd, g[..., None])[..., 0]
-        cand = th.copy()
-        cand[:, free] = np.clip(tf + step, lo[free], hi[free])
+        Ha = Ha * keep[:, :, None] * keep[:, None, :] + eye * pinned[:, :, None]
+        ga = ga * keep
+        d = np.maximum(np.einsum("rii->ri", Ha), 1e-12)
+        step = np.linalg.solve(Ha + lam[act, None, None] * eye * d[:, :, None], ga[..., None])[..., 0]
+        cand = theta[act]
+        cand[:, free] = np.clip(tf + step, lf, hf)
         fc, jc = model(z[act], cand)
         rc = y[act] - fc
-        sc = np.einsum("rn,rn->r", wa, rc * rc)
+        sc = np.einsum("rn,rn->r", w[act], rc * rc)
         better = sc < ssr[act]
         small = (ssr[act] - sc) <= rtol * ssr[act] + 1e-30
         idx = act[better]
-        theta[idx], f[idx], jac[idx], res[idx] = cand[better], fc[better], jc[better], rc[better]
+        theta[idx], res[idx], ssr[idx] = cand[better], rc[better], sc[better]
+        if idx.size:
+            H[idx], g[idx] = _normal_equations(jc[better], rc[better], w[idx], free)
         done[act] = (better & small) | (lam[act] > 1e12)
-        ssr[idx] = sc[better]
         lam[act] = np.where(better, np.maximum(lam[act] / 3.0, 1e-12), lam[act] * 4.0)
     return theta, ssr, done
+
+
+def _normal_equations(jac, res, w, free):
+    J = jac[..., free]
+    JW = J * w[..., None]
+    return np.einsum("rni,rnj->rij", JW, J), np.einsum("rni,rn->ri", JW, res)
 
 
 # ---------------------------------------------------------------- the direct fit
@@ -238,7 +252,7 @@ def fit_grid(compute, pass_rate, r0=None, a_grid=None, cmid_grid=None, unit="gpu
              inner="curve_fit", source="input"):
     """The paper's procedure. inner='curve_fit' calls scipy for B at every grid pair (faithful, ~7k
     calls); inner='batched' solves the same 1-D (or 2-D with R0) problems in one batched LM from the
-    same start B = 1 (same optimum, ~20x faster)."""
+    same start B = 1 (same optimum, ~10x faster)."""
     c, y = np.asarray(compute, dtype=float), np.asarray(pass_rate, dtype=float)
     _check_window(c, y, source)
     a_grid = PAPER_A_GRID if a_grid is None else np.asarray(a_grid, dtype=float)

@@ -1,0 +1,159 @@
+"""Fit the sigmoid compute law to eval curves; write fit.json and figures.
+
+    python launch/fit.py WORKDIR_OR_FILE... --out=DIR [--axis=flops|accel_hours|steps]
+        [--method=direct|grid] [--c-min=C] [--c-max=C] [--r0=measured|fit|VALUE] [--n-boot=1000]
+        [--holdout=0.5] [--budgets=C1,C2,...] [--predict-at=C1,...]
+
+Inputs: trainer workdirs (metrics.jsonl, searched recursively; seeds of one recipe are fitted together),
+TensorBoard event directories, or CSV files with columns compute,pass_rate[,run,seed].
+Writes DIR/fit.json (per recipe: A, B, C_mid, R0 with 95% intervals, window, identifiability,
+fit-early-predict-late error, sigmoid vs power law; a recipe comparison when there are several) and
+DIR/fit_<recipe>.png, DIR/asymptotes.png, DIR/heatmap.png.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import numpy as np  # noqa: E402
+
+from rl_scaling.scaling import api, compare, io, plots  # noqa: E402
+from rl_scaling.scaling.errors import ScalingDataError  # noqa: E402
+
+
+def _floats(text):
+    return [float(v) for v in text.split(",") if v.strip()] if text else []
+
+
+def _grid(text, kind):
+    """'lo:hi:step' for A, 'lo:hi:n' for C_mid."""
+    if not text:
+        return None
+    lo, hi, k = (float(v) for v in text.split(":"))
+    return np.round(np.arange(lo, hi + k / 2, k), 6) if kind == "a" else np.linspace(lo, hi, int(k))
+
+
+def parse_args(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("inputs", nargs="+", help="workdirs, metrics.jsonl, event dirs or CSV files (globs allowed)")
+    ap.add_argument("--out", required=True, help="output directory")
+    ap.add_argument("--axis", choices=io.AXES, default="flops", help="compute axis of metrics/event inputs")
+    ap.add_argument("--method", choices=("direct", "grid"), default="direct",
+                    help="direct: fast bounded least squares; grid: the paper's grid search + curve_fit")
+    ap.add_argument("--c-min", type=float, default=None,
+                    help="window start; default drops compute below 1.5/16 of the largest "
+                         "(the paper's early phase); 0 keeps all")
+    ap.add_argument("--c-max", type=float, default=None, help="window end (default: the largest compute)")
+    ap.add_argument("--r0", default="measured", help="'measured' (eval at compute 0), 'fit', or a value")
+    ap.add_argument("--n-boot", type=int, default=1000)
+    ap.add_argument("--boot", choices=("residual", "parametric", "pairs", "seeds"), default=None,
+                    help="bootstrap; default: seeds when a recipe has several, else residual")
+    ap.add_argument("--holdout", type=float, default=0.5,
+                    help="fit up to this fraction of the window's compute (<= 1) or this compute (> 1), "
+                         "predict the rest; 0 skips the check")
+    ap.add_argument("--predict-at", default="", help="comma-separated compute values to predict")
+    ap.add_argument("--budgets", default="", help="heat-map budgets; default 0.25x..8x the largest compute")
+    ap.add_argument("--margin", type=float, default=0.02, help="the paper's margin on A for comparisons")
+    ap.add_argument("--a-grid", default="", help="grid method: A grid lo:hi:step (default 0.45:0.8:0.005)")
+    ap.add_argument("--cmid-grid", default="", help="grid method: C_mid grid lo:hi:n (default the paper's, rescaled)")
+    ap.add_argument("--grid-unit", default=None,
+                    help="'gpu_hours': use the paper's absolute C_mid grid [100, 40000]; otherwise it is "
+                         "rescaled by (largest compute / 16000)")
+    ap.add_argument("--log-x", action="store_true", help="log compute axis in the per-run figures")
+    ap.add_argument("--seed", type=int, default=0)
+    return ap.parse_args(argv)
+
+
+def _slug(name):
+    return re.sub(r"[^A-Za-z0-9._-]+", "_", name).strip("_") or "run"
+
+
+def run(args):
+    runs = io.load_inputs(args.inputs, args.axis)
+    os.makedirs(args.out, exist_ok=True)
+    r0 = args.r0 if args.r0 in ("measured", "fit") else float(args.r0)
+    grid = {k: v for k, v in (("a_grid", _grid(args.a_grid, "a")), ("cmid_grid", _grid(args.cmid_grid, "c")))
+            if v is not None}
+    opts = api.Options(c_min=args.c_min, c_max=args.c_max, method=args.method, r0=r0, n_boot=args.n_boot,
+                       boot_method=args.boot, holdout=args.holdout or None, unit=args.grid_unit or runs[0].axis,
+                       grid=grid, seed=args.seed)
+    out = {"settings": {k: v for k, v in vars(args).items()}, "recipes": {}}
+    results, failed = [], []
+    for recipe, group in io.group_runs(runs).items():
+        try:
+            res = api.fit_runs(group, name=recipe, opts=opts)
+        except ScalingDataError as e:
+            print(f"error: {e}", file=sys.stderr)
+            out["recipes"][recipe] = {"name": recipe, "status": "error", "message": str(e)}
+            failed.append(recipe)
+            continue
+        s = res.summary()
+        preds = _floats(args.predict_at)
+        if preds:
+            p, (blo, bhi), (plo, phi) = res.predict(preds)
+            s["predictions"] = [{"compute": c, "pass_rate": float(p[i]), "band": [float(blo[i]), float(bhi[i])],
+                                 "pi": [float(plo[i]), float(phi[i])]} for i, c in enumerate(preds)]
+        out["recipes"][recipe] = s
+        results.append(res)
+        plots.plot_fit(res, os.path.join(args.out, f"fit_{_slug(recipe)}.png"), log_x=args.log_x)
+        _report(s)
+    if results:
+        top = max(r.c.max() for r in results)
+        budgets = _floats(args.budgets) or [top * m for m in (0.25, 0.5, 1, 2, 4, 8)]
+        table = compare.budget_table(results, budgets)
+        out["budgets"] = {"compute": budgets, "pass_rate": {r.name: table[i].tolist() for i, r in enumerate(results)}}
+        plots.plot_asymptotes(results, os.path.join(args.out, "asymptotes.png"))
+        plots.plot_heatmap(results, budgets, os.path.join(args.out, "heatmap.png"))
+    if len(results) >= 2:
+        cmp_ = compare.compare_recipes(results, args.margin)
+        out["comparison"] = cmp_
+        print("ranking: " + ", ".join(f"{r['rank']}. {r['name']}" for r in cmp_["ranking"]))
+    with open(os.path.join(args.out, "fit.json"), "w") as f:
+        json.dump(out, f, indent=1, default=_json_default)
+    print(f"wrote {os.path.join(args.out, 'fit.json')}")
+    return out, failed
+
+
+def _json_default(v):
+    if isinstance(v, np.generic):
+        return v.item()
+    if isinstance(v, np.ndarray):
+        return v.tolist()
+    raise TypeError(f"not JSON serializable: {type(v)}")
+
+
+def _report(s):
+    ci = s["ci"]
+    if s["identifiable"]:
+        a = f"A={s['A']:.3f} [{ci['A'][0]:.3f}, {ci['A'][1]:.3f}]"
+    else:
+        a = f"A>={s['A_lower_bound']:.3f} (not identifiable)"
+    print(f"{s['name']}: {a}  B={s['B']:.2f} [{ci['B'][0]:.2f}, {ci['B'][1]:.2f}]  "
+          f"C_mid={s['C_mid']:.4g}  R0={s['R0']:.3f}  ({s['window']['n_points']} points, {s['n_seeds']} seed(s))")
+    ex = s.get("extrapolation", {})
+    if ex.get("status") == "ok":
+        lp = ex["last_point"]
+        print(f"  fit to {ex['fit_until']:.4g}, predict the rest: RMSE {ex['rmse']:.4f}, last point "
+              f"{lp['predicted']:.3f} vs {lp['observed']:.3f} (95% PI [{lp['pi'][0]:.3f}, {lp['pi'][1]:.3f}])")
+    for m in s["messages"]:
+        print(f"  note: {m}")
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    try:
+        _, failed = run(args)
+    except ScalingDataError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,255 @@
+"""One call from runs to a fit summary: window, fit, bootstrap, identifiability, extrapolation check.
+
+`fit_runs(runs)` fits the seeds of one configuration together and returns a `Result`; its `summary()`
+is the JSON-ready dict that `launch/fit.py` writes to fit.json. `refit(records)` is the eval-and-fit
+loop's entry point: it never raises on data problems, it returns a status.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+from rl_scaling.scaling import compare, fit as fitlib, uncertainty as unc
+from rl_scaling.scaling.errors import ScalingDataError
+from rl_scaling.scaling.io import Run
+
+
+@dataclasses.dataclass(frozen=True)
+class Options:
+    c_min: float | None = None  # None: drop the early phase as the paper does (fit.window_mask)
+    c_max: float | None = None  # None: the largest compute
+    method: str = "direct"  # or 'grid' (the paper's)
+    r0: object = "measured"  # 'measured' (mean eval at C = 0, fitted when absent), 'fit', or a number
+    n_boot: int = 1000
+    boot_method: str | None = None  # None: 'seeds' for >= 2 seeds, else 'residual'
+    level: float = 0.95
+    holdout: float | None = 0.5  # fit early, predict late: fraction of the window's compute, or a value
+    a_bounds: tuple = (0.0, 1.0)
+    unit: str = "flops"  # axis name; 'gpu_hours' makes the grid fit use the paper's absolute C_mid grid
+    grid: dict = dataclasses.field(default_factory=dict)  # a_grid, cmid_grid, inner for fit_grid
+    seed: int = 0
+
+
+@dataclasses.dataclass(frozen=True)
+class Result:
+    name: str
+    runs: tuple
+    opts: Options
+    c: np.ndarray  # window points, all seeds pooled
+    y: np.ndarray
+    groups: np.ndarray
+    fit: fitlib.Fit
+    boot: unc.Bootstrap
+    center: fitlib.Fit  # the fit the bootstrap replicates were drawn around (the direct fit)
+    identifiable: bool
+    reasons: tuple
+    warnings: tuple
+    extras: dict
+
+    def refit_fixed(self, fixed):
+        return fitlib.fit_fixed(self.c, self.y, fixed, self.fit, self._r0(), self.opts.a_bounds)
+
+    def _r0(self):
+        return self.fit.R0 if self.fit.r0_fixed else None
+
+    def predict(self, c):
+        """Point prediction, confidence band and prediction interval at compute values c."""
+        c = np.atleast_1d(np.asarray(c, dtype=float))
+        band = unc.curve_band(self.boot, c, self.opts.level)
+        pi = unc.prediction_interval(self.fit, self.boot, c, self.opts.level, self.center)
+        return self.fit.predict(c), band, pi
+
+    def summary(self):
+        f, level = self.fit, self.opts.level
+        ci = unc.param_intervals(self.boot, level)
+        out = {
+            "name": self.name, "status": "ok", "n_seeds": len(self.runs),
+            "seeds": [r.seed for r in self.runs], "sources": [r.source for r in self.runs],
+            "axis": self.runs[0].axis if self.runs else self.opts.unit, "method": f.method,
+            "A": f.A if self.identifiable else None,
+            "A_lower_bound": None if self.identifiable else ci["A"][0],
+            "A_fit": f.A, "B": f.B, "C_mid": f.C_mid, "R0": f.R0, "R0_fixed": f.r0_fixed,
+            "ci": {k: list(v) for k, v in ci.items() if k != "R0" or not f.r0_fixed},
+            "level": level, "identifiable": self.identifiable,
+            "messages": list(self.reasons) + list(self.warnings),
+            "window": {"c_min": float(self.c.min()), "c_max": float(self.c.max()), "n_points": int(self.c.size),
+                       "requested": [self.opts.c_min, self.opts.c_max]},
+            "ssr": f.ssr, "rmse": float(np.sqrt(f.ssr / f.n)), "sigma": f.sigma,
+            "bootstrap": {"method": self.boot.method, "n_boot": int(self.boot.theta.shape[0])},
+        }
+        if not self.identifiable:
+            out["messages"].insert(0, f"A is not identifiable from this window; report A >= {ci['A'][0]:.3f} "
+                                      f"(lower end of the {level:.0%} interval), not A = {f.A:.3f}")
+        out.update(self.extras)
+        return out
+
+
+def _pool(runs):
+    c = np.concatenate([r.compute for r in runs])
+    y = np.concatenate([r.pass_rate for r in runs])
+    g = np.concatenate([np.full(r.compute.size, i) for i, r in enumerate(runs)])
+    return c, y, g
+
+
+def _r0_stderr(runs):
+    """Standard error of the measured R0 (mean of the runs' step-0 evals) from the logged eval stderr,
+    or None when any of those evals lacks one."""
+    se = [r.stderr[r.compute == 0] for r in runs if r.stderr is not None and (r.compute == 0).any()]
+    k = sum(int((r.compute == 0).sum()) for r in runs)
+    if not se or sum(v.size for v in se) != k or not all(np.isfinite(v).all() for v in se):
+        return None
+    return float(np.sqrt(np.sum(np.concatenate(se) ** 2)) / k)
+
+
+def _resolve_r0(r0, c, y):
+    if r0 == "fit":
+        return None, "R0 fitted"
+    if r0 == "measured":
+        m = fitlib.measured_r0(c, y)
+        return (m, "R0 fixed to the measured pass rate at compute 0") if m is not None else \
+            (None, "no eval at compute 0: R0 fitted")
+    return float(r0), "R0 fixed by the caller"
+
+
+def fit_runs(runs, name=None, opts: Options | None = None, **kw):
+    """Fit the seeds of one configuration (a list of io.Run) together."""
+    opts = dataclasses.replace(opts or Options(), **kw)
+    runs = tuple(runs)
+    if not runs:
+        raise ScalingDataError("no runs to fit")
+    name = name or runs[0].recipe
+    for r in runs:
+        fitlib.check_curve(r.compute, r.pass_rate, r.source)
+    c_all, y_all, g_all = _pool(runs)
+    r0, r0_note = _resolve_r0(opts.r0, c_all, y_all)
+    r0_n = int((c_all == 0).sum()) if opts.r0 == "measured" and r0 is not None else None
+    r0_se = _r0_stderr(runs) if r0_n else None
+    m = fitlib.window_mask(c_all, opts.c_min, opts.c_max)
+    c, y, g = c_all[m], y_all[m], g_all[m]
+    if c.size < fitlib.MIN_POINTS:
+        raise ScalingDataError(f"{name}: {c.size} points in the fit window [{opts.c_min}, {opts.c_max}] "
+                               f"(sources: {', '.join(r.source for r in runs)}); "
+                               f"at least {fitlib.MIN_POINTS} are needed")
+    fit_one = _fitter(opts, r0, name)
+    main = fit_one(c, y)
+    extras = {"notes": [r0_note]}
+    if r0_n:
+        extras["notes"].append("its noise enters the intervals (from " +
+                               ("the logged eval stderr)" if r0_se is not None else "the residuals)"))
+    if opts.method == "grid":
+        main, extras["grid"] = main
+        extras["notes"].append("intervals come from the bootstrap of the direct fit")
+        direct = fitlib.fit_direct(c, y, r0, opts.a_bounds, name)
+        extras["direct"] = {"A": direct.A, "B": direct.B, "C_mid": direct.C_mid, "ssr": direct.ssr}
+        around = direct
+    else:
+        around = main
+    bm = opts.boot_method or ("seeds" if len(runs) >= 2 else "residual")
+    boot = unc.bootstrap(around, c, y, opts.n_boot, bm, groups=g, rng=opts.seed, r0_evals=r0_n, r0_se=r0_se)
+    ok, reasons, warns = unc.identifiability(around, boot, float(c.max()), opts.level)
+    direct_fit = (lambda cc, yy: fitlib.fit_direct(cc, yy, r0, opts.a_bounds, name))
+    if opts.holdout:
+        extras["extrapolation"] = _early_late(c_all, y_all, g_all, c, opts, r0, (r0_n, r0_se), name)
+    try:
+        extras["sigmoid_vs_power_law"] = compare.sigmoid_vs_power(c, y, direct_fit, opts.holdout or 0.5,
+                                                                  opts.a_bounds)
+    except ScalingDataError as e:
+        extras["sigmoid_vs_power_law"] = {"status": "skipped", "message": str(e)}
+    return Result(name=name, runs=runs, opts=opts, c=c, y=y, groups=g, fit=main, boot=boot, center=around,
+                  identifiable=ok, reasons=tuple(reasons), warnings=tuple(warns), extras=extras)
+
+
+def _fitter(opts, r0, name):
+    if opts.method == "direct":
+        return lambda c, y: fitlib.fit_direct(c, y, r0, opts.a_bounds, name)
+    if opts.method == "grid":
+        return lambda c, y: fitlib.fit_grid(c, y, r0, unit=opts.unit, source=name, **opts.grid)
+    raise ValueError(f"unknown fit method {opts.method!r} (direct or grid)")
+
+
+def _early_late(c_all, y_all, g_all, c_win, opts, r0, r0_noise, name):
+    """Fit the window's points up to `holdout`, predict every later point; errors and the last point's
+    prediction interval."""
+    cut = opts.holdout * c_win.max() if opts.holdout <= 1.0 else opts.holdout
+    lo = c_win.min()
+    early = (c_all >= lo) & (c_all <= cut) & (c_all > 0)
+    late = c_all > cut
+    out = {"fit_until": float(cut), "n_fit": int(early.sum()), "n_heldout": int(late.sum())}
+    if early.sum() < fitlib.MIN_POINTS or not late.any():
+        out.update(status="skipped", message=f"{int(early.sum())} points before {cut:.4g} and "
+                                              f"{int(late.sum())} after: nothing to check")
+        return out
+    ce, ye = c_all[early], y_all[early]
+    try:
+        fe = fitlib.fit_direct(ce, ye, r0, opts.a_bounds, name)
+    except ScalingDataError as e:
+        out.update(status="skipped", message=str(e))
+        return out
+    ge = g_all[early]
+    bm = opts.boot_method or ("seeds" if np.unique(ge).size >= 2 else "residual")
+    be = unc.bootstrap(fe, ce, ye, opts.n_boot, bm, groups=ge, rng=opts.seed + 1,
+                       r0_evals=r0_noise[0], r0_se=r0_noise[1])
+    cl, yl = c_all[late], y_all[late]
+    order = np.argsort(cl, kind="stable")
+    cl, yl = cl[order], yl[order]
+    err = compare.holdout_errors(fe.predict(cl), yl)
+    last = cl[-1]
+    pi_lo, pi_hi = unc.prediction_interval(fe, be, [last], opts.level)
+    obs_last = float(yl[cl == last].mean())
+    out.update(status="ok", A_early=fe.A, B_early=fe.B, C_mid_early=fe.C_mid, rmse=err["rmse"],
+               last_point={"compute": float(last), "observed": obs_last, "predicted": float(fe.predict(last)),
+                           "error": float(fe.predict(last) - obs_last),
+                           "pi": [float(pi_lo[0]), float(pi_hi[0])],
+                           "covered": bool(pi_lo[0] <= obs_last <= pi_hi[0])})
+    return out
+
+
+def fit_arrays(compute, pass_rate, name="curve", **kw):
+    """fit_runs for one curve given as arrays."""
+    c, y = fitlib.check_curve(compute, pass_rate, name)
+    run = Run(name=name, recipe=name, seed=None, compute=c, pass_rate=y, source=name, axis=kw.get("unit", "compute"))
+    return fit_runs([run], name=name, **kw)
+
+
+def refit(records, target_compute=None, **kw):
+    """Fit summary from the (compute, pass_rate) eval records accumulated so far (the eval-and-fit loop).
+
+    records: (compute, pass_rate) pairs or dicts with those keys, any order; repeated computes are
+    averaged and non-finite records dropped (both noted). Returns the summary dict with 'status':
+    'ok', 'too_few_points' (< 4 in the window) or 'error' (other bad data); never raises on data.
+    With target_compute: 'target' gives the predicted pass rate there, its band and prediction interval.
+    """
+    kw.setdefault("n_boot", 500)
+    out = {"status": "ok", "n_records": len(records), "messages": []}
+    try:
+        pts = [(r["compute"], r["pass_rate"]) if isinstance(r, dict) else tuple(r) for r in records]
+        arr = np.array(pts, dtype=float).reshape(-1, 2)
+    except (KeyError, TypeError, ValueError) as e:
+        return {**out, "status": "error", "message": f"records must be (compute, pass_rate) pairs: {e}"}
+    good = np.isfinite(arr).all(axis=1) & (arr[:, 0] >= 0)
+    if (~good).any():
+        out["messages"].append(f"dropped {int((~good).sum())} records with NaN/inf or negative compute")
+    arr = arr[good]
+    cs, inv = np.unique(arr[:, 0], return_inverse=True)
+    ys = np.bincount(inv, weights=arr[:, 1], minlength=cs.size) / np.maximum(np.bincount(inv, minlength=cs.size), 1)
+    if cs.size < arr.shape[0]:
+        out["messages"].append("averaged records that share a compute value")
+    n_win = int(fitlib.window_mask(cs, kw.get("c_min"), kw.get("c_max")).sum()) if cs.size else 0
+    if n_win < fitlib.MIN_POINTS:
+        return {**out, "status": "too_few_points", "n_points": n_win,
+                "message": f"{n_win} eval points in the fit window, {fitlib.MIN_POINTS} needed; keep training"}
+    try:
+        res = fit_arrays(cs, ys, name=kw.pop("name", "live"), **kw)
+    except ScalingDataError as e:
+        return {**out, "status": "error", "message": str(e)}
+    s = res.summary()
+    s["messages"] = out["messages"] + s["messages"]
+    s["n_records"] = out["n_records"]
+    if target_compute is not None:
+        p, (blo, bhi), (plo, phi) = res.predict([target_compute])
+        s["target"] = {"compute": float(target_compute), "pass_rate": float(p[0]),
+                       "band": [float(blo[0]), float(bhi[0])], "pi": [float(plo[0]), float(phi[0])],
+                       "extrapolated": bool(target_compute > res.c.max())}
+    return s

@@ -1,0 +1,233 @@
+"""Loaders: metrics.jsonl workdirs, TensorBoard event directories, CSV. Each returns `Run`s.
+
+Compute axes: 'flops' (model FLOPs), 'accel_hours' (accelerator-hours), 'steps' (trainer steps).
+Seeds of one configuration share a recipe name: `config.json` {"recipe": ..., "seed": ...} at the top of
+the workdir; otherwise a workdir named like 'seed3' takes its parent directory's name as the recipe
+(results/<recipe>/seed<k>/metrics.jsonl), and any other workdir is its own recipe.
+Every error names the file, and the line and column where there is one.
+"""
+
+from __future__ import annotations
+
+import csv
+import dataclasses
+import glob
+import json
+import math
+import os
+import re
+
+import numpy as np
+
+from rl_scaling.scaling.errors import ScalingDataError
+from rl_scaling.scaling.fit import check_curve
+
+AXES = ("flops", "accel_hours", "steps")
+PASS_KEY = "eval/pass_rate"
+STDERR_KEY = "eval/pass_rate_stderr"
+# metrics.jsonl key and scale per axis
+_JSONL_AXIS = {"flops": ("compute_flops", 1.0), "accel_hours": ("accel_seconds", 1.0 / 3600.0), "steps": ("step", 1.0)}
+# TensorBoard tags that may carry the compute (the step axis is the event step itself)
+_TB_AXIS = {"flops": (("compute/flops", "compute_flops"), 1.0),
+            "accel_hours": (("compute/accel_seconds", "accel_seconds"), 1.0 / 3600.0)}
+_SEED_DIR = re.compile(r"^seed[_-]?(\d+)$")
+
+
+@dataclasses.dataclass(frozen=True)
+class Run:
+    """One training run's eval curve on one compute axis."""
+
+    name: str
+    recipe: str
+    seed: str | None
+    compute: np.ndarray
+    pass_rate: np.ndarray
+    source: str
+    axis: str
+    stderr: np.ndarray | None = None
+
+
+def _check_axis(axis):
+    if axis not in AXES:
+        raise ValueError(f"unknown compute axis {axis!r}; choose one of {AXES}")
+
+
+def _identity(workdir):
+    """(recipe, seed) of a workdir: config.json first, then the directory names."""
+    workdir = os.path.abspath(workdir)
+    base, parent = os.path.basename(workdir), os.path.basename(os.path.dirname(workdir))
+    m = _SEED_DIR.match(base)
+    recipe, seed = (parent, m.group(1)) if m else (base, None)
+    cfg_path = os.path.join(workdir, "config.json")
+    if os.path.isfile(cfg_path):
+        try:
+            with open(cfg_path) as f:
+                cfg = json.load(f)
+        except json.JSONDecodeError as e:
+            raise ScalingDataError(f"{cfg_path}:{e.lineno}: not valid JSON ({e.msg})") from None
+        if isinstance(cfg, dict):
+            recipe = str(cfg.get("recipe", recipe))
+            seed = str(cfg["seed"]) if cfg.get("seed") is not None else seed
+    return recipe, seed
+
+
+def _run(recipe, seed, c, y, err, source, axis, where, columns):
+    c, y = check_curve(c, y, source, where=where, columns=columns)
+    name = recipe if seed is None else f"{recipe}/seed{seed}"
+    if err is not None and np.isnan(err).all():
+        err = None
+    return Run(name=name, recipe=recipe, seed=seed, compute=c, pass_rate=y, source=source, axis=axis,
+               stderr=err)
+
+
+def _number(value, where, column):
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        try:
+            value = float(value)
+        except (TypeError, ValueError):
+            raise ScalingDataError(f"{where}: column '{column}': not a number ({value!r})") from None
+    return float(value)
+
+
+def load_jsonl(path, axis="flops", recipe=None, seed=None):
+    """The trainer's metrics.jsonl: eval records are the lines with 'eval/pass_rate'."""
+    _check_axis(axis)
+    key, scale = _JSONL_AXIS[axis]
+    c, y, err, where = [], [], [], []
+    with open(path) as f:
+        for lineno, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                rec = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ScalingDataError(f"{path}:{lineno}: not valid JSON ({e.msg})") from None
+            if not isinstance(rec, dict) or PASS_KEY not in rec:
+                continue
+            at = f"{path}:{lineno}"
+            if key not in rec:
+                raise ScalingDataError(f"{at}: column '{key}' missing (needed for the '{axis}' compute axis)")
+            c.append(_number(rec[key], at, key) * scale)
+            y.append(_number(rec[PASS_KEY], at, PASS_KEY))
+            e = rec.get(STDERR_KEY)
+            err.append(math.nan if e is None else _number(e, at, STDERR_KEY))
+            where.append(at)
+    if not c:
+        raise ScalingDataError(f"{path}: no eval records (no line has '{PASS_KEY}')")
+    r, s = _identity(os.path.dirname(os.path.abspath(path)))
+    return [_run(recipe or r, seed if seed is not None else s, c, y, np.array(err), str(path), axis,
+                 where, (key, PASS_KEY))]
+
+
+def load_tensorboard(logdir, axis="flops", recipe=None, seed=None):
+    """Scalars of a TensorBoard event directory: 'eval/pass_rate' against the step or a compute tag."""
+    _check_axis(axis)
+    from tensorboard.backend.event_processing import event_accumulator as ea  # slow import: only here
+
+    acc = ea.EventAccumulator(str(logdir), size_guidance={ea.SCALARS: 0})
+    acc.Reload()
+    tags = acc.Tags().get("scalars", [])
+    if PASS_KEY not in tags:
+        raise ScalingDataError(f"{logdir}: no scalar '{PASS_KEY}' in the event files (scalars: {sorted(tags)})")
+    ev = acc.Scalars(PASS_KEY)
+    steps = np.array([e.step for e in ev], dtype=float)
+    y = np.array([e.value for e in ev], dtype=float)
+    if axis == "steps":
+        c, col = steps, "step"
+    else:
+        names, scale = _TB_AXIS[axis]
+        col = next((t for t in names if t in tags), None)
+        if col is None:
+            raise ScalingDataError(f"{logdir}: no compute scalar {names} for the '{axis}' axis "
+                                   f"(scalars: {sorted(tags)})")
+        cev = acc.Scalars(col)
+        cs, cv = np.array([e.step for e in cev], float), np.array([e.value for e in cev], float) * scale
+        order = np.argsort(cs, kind="stable")
+        # eval steps without their own compute record: compute grows with the step, so interpolate
+        c = np.interp(steps, cs[order], cv[order])
+    where = [f"{logdir}: step {int(s)}" for s in steps]
+    # the trainer writes its events to WORKDIR/tb: the run's identity belongs to the workdir
+    wd = os.path.dirname(os.path.abspath(logdir)) if os.path.basename(os.path.abspath(logdir)) == "tb" else logdir
+    r, s = _identity(wd)
+    return [_run(recipe or r, seed if seed is not None else s, c, y, None, str(logdir), axis, where,
+                 (col, PASS_KEY))]
+
+
+def load_csv(path):
+    """CSV with columns compute, pass_rate and optional run, seed, stderr; rows of a run in compute order."""
+    with open(path, newline="") as f:
+        reader = csv.DictReader(f)
+        header = [h.strip() for h in (reader.fieldnames or [])]
+        for col in ("compute", "pass_rate"):
+            if col not in header:
+                raise ScalingDataError(f"{path}: missing column '{col}' (header: {header})")
+        stem = os.path.splitext(os.path.basename(path))[0]
+        groups = {}
+        for lineno, row in enumerate(reader, 2):
+            row = {(k or "").strip(): v for k, v in row.items()}
+            at = f"{path}:{lineno}"
+            vals = []
+            for col in ("compute", "pass_rate"):
+                v = row.get(col)
+                if v is None or str(v).strip() == "":
+                    raise ScalingDataError(f"{at}: column '{col}' is empty")
+                vals.append(_number(str(v).strip(), at, col))
+            err = row.get("stderr")
+            err = _number(err, at, "stderr") if err not in (None, "") else math.nan
+            run = (row.get("run") or stem).strip()
+            seed = (row.get("seed") or "").strip() or None
+            g = groups.setdefault((run, seed), ([], [], [], []))
+            for lst, v in zip(g, (vals[0], vals[1], err, at)):
+                lst.append(v)
+    if not groups:
+        raise ScalingDataError(f"{path}: no data rows")
+    return [_run(run, seed, c, y, np.array(e), str(path), "compute", where, ("compute", "pass_rate"))
+            for (run, seed), (c, y, e, where) in groups.items()]
+
+
+def load_inputs(paths, axis="flops"):
+    """Runs from any mix of workdirs (searched recursively), metrics.jsonl files, event dirs and CSVs."""
+    runs = []
+    for p in paths:
+        hits = sorted(glob.glob(p, recursive=True)) if glob.has_magic(p) else [p]
+        if not hits:
+            raise ScalingDataError(f"{p}: no such file or directory")
+        for h in hits:
+            runs.extend(_load_one(h, axis))
+    names = [r.name for r in runs]
+    dup = sorted({n for n in names if names.count(n) > 1})
+    if dup:
+        raise ScalingDataError(f"the same run appears twice: {dup} (two workdirs with one recipe and seed?)")
+    return runs
+
+
+def _load_one(path, axis):
+    if os.path.isfile(path):
+        if path.endswith(".csv"):
+            return load_csv(path)
+        if path.endswith(".jsonl"):
+            return load_jsonl(path, axis)
+        if "tfevents" in os.path.basename(path):
+            return load_tensorboard(os.path.dirname(path) or ".", axis)
+        raise ScalingDataError(f"{path}: unknown input type (expected .jsonl, .csv, a workdir or event files)")
+    if not os.path.isdir(path):
+        raise ScalingDataError(f"{path}: no such file or directory")
+    if os.path.isfile(os.path.join(path, "metrics.jsonl")):
+        return load_jsonl(os.path.join(path, "metrics.jsonl"), axis)
+    if glob.glob(os.path.join(path, "*tfevents*")):
+        return load_tensorboard(path, axis)
+    found = sorted(glob.glob(os.path.join(path, "**", "metrics.jsonl"), recursive=True))
+    if found:
+        return [r for f in found for r in load_jsonl(f, axis)]
+    events = sorted({os.path.dirname(f) for f in glob.glob(os.path.join(path, "**", "*tfevents*"), recursive=True)})
+    if events:
+        return [r for d in events for r in load_tensorboard(d, axis)]
+    raise ScalingDataError(f"{path}: no metrics.jsonl, event files or CSV found under it")
+
+
+def group_runs(runs):
+    """{recipe: [runs]} in first-seen order: the seeds of one configuration fitted together."""
+    out = {}
+    for r in runs:
+        out.setdefault(r.recipe, []).append(r)
+    return out

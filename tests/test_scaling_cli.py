@@ -1,0 +1,66 @@
+"""launch/fit.py end to end on synthetic workdirs (test fixtures, not results of runs)."""
+
+import importlib.util
+import json
+import os
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _load(name, path):
+    # by path, so this works whatever pytest's import mode and without a tests package
+    spec = importlib.util.spec_from_file_location(name, path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def _cli():
+    return _load("fit_cli", os.path.join(ROOT, "launch", "fit.py"))
+
+
+write_workdir = _load("scaling_io_helpers", os.path.join(ROOT, "tests", "test_scaling_io.py")).write_workdir
+
+
+@pytest.fixture(scope="module")
+def workdirs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("results")
+    for k in range(2):
+        write_workdir(root / "strong" / f"seed{k}", A=0.7, seed_offset=0.003 * k)
+        write_workdir(root / "weak" / f"seed{k}", A=0.55, seed_offset=0.003 * k)
+    return root
+
+
+def test_cli_writes_fit_json_and_figures(workdirs, tmp_path):
+    out = tmp_path / "out"
+    rc = _cli().main([str(workdirs), f"--out={out}", "--n-boot=200", "--predict-at=3e15", "--c-min=0"])
+    assert rc == 0
+    data = json.loads((out / "fit.json").read_text())
+    s = data["recipes"]["strong"]
+    for key in ("A", "B", "C_mid", "R0", "ci", "window", "identifiable", "extrapolation", "sigmoid_vs_power_law"):
+        assert key in s
+    assert s["n_seeds"] == 2 and s["bootstrap"]["method"] == "seeds"
+    assert abs(s["A"] - 0.7) < 0.02 and s["predictions"][0]["compute"] == 3e15
+    assert data["comparison"]["ranking"][0]["name"] == "strong"
+    for png in ("fit_strong.png", "fit_weak.png", "asymptotes.png", "heatmap.png"):
+        assert (out / png).stat().st_size > 1000
+
+
+def test_cli_grid_method_and_bad_input(workdirs, tmp_path, capsys):
+    cli = _cli()
+    out = tmp_path / "grid"
+    rc = cli.main([str(workdirs / "strong"), f"--out={out}", "--n-boot=100", "--method=grid",
+                   "--a-grid=0.6:0.8:0.01", "--axis=steps", "--holdout=0"])
+    assert rc == 0
+    s = json.loads((out / "fit.json").read_text())["recipes"]["strong"]
+    assert s["method"] == "grid" and s["grid"]["a_grid"][:2] == [0.6, 0.8] and "extrapolation" not in s
+    bad = tmp_path / "bad.csv"
+    bad.write_text("compute,pass\n0,0.1\n")
+    assert cli.main([str(bad), f"--out={tmp_path / 'x'}"]) == 2
+    assert "missing column 'pass_rate'" in capsys.readouterr().err
+    few = tmp_path / "few.csv"
+    few.write_text("compute,pass_rate\n0,0.1\n1,0.2\n2,0.3\n")
+    assert cli.main([str(few), f"--out={tmp_path / 'y'}"]) == 1
+    assert json.loads((tmp_path / "y" / "fit.json").read_text())["recipes"]["few"]["status"] == "error"
