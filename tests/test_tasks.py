@@ -61,3 +61,30 @@ def test_stream_resumes_from_its_state():
     resumed = data.prompt_stream(task, seed=1, prompts_per_step=8)
     resumed.set_state(state)
     assert [next(resumed) for _ in range(3)] == expected
+
+
+def test_jsonl_math_task_runs_end_to_end(tmp_path):
+    """A JSONL dataset + a tokenizer.json made here, through the real run loop for 2 steps."""
+    import json
+
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    from rl_scaling import train
+    from tests.test_run import fast_config
+
+    rows = [{"problem": f"What is {a} + {b}?", "answer": str(a + b)} for a in range(12) for b in range(12)]
+    (tmp_path / "data.jsonl").write_text("\n".join(json.dumps(r) for r in rows))
+    tok = Tokenizer(models.BPE(unk_token=None))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.train_from_iterator([r["problem"] + " \\boxed{" + r["answer"] + "}" for r in rows],
+                            trainers.BpeTrainer(vocab_size=320, special_tokens=["<pad>", "<s>", "</s>", "<think>", "</think>"],
+                                                initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    tok.save(str(tmp_path / "tokenizer.json"))
+    config = fast_config(steps=2, eval_every=2, checkpoint_every=2)
+    config.task.name, config.task.path = "jsonl_math", str(tmp_path / "data.jsonl")
+    config.task.tokenizer, config.task.heldout_fraction = str(tmp_path / "tokenizer.json"), 0.2
+    config.task.max_prompt_len, config.model.vocab_size = 96, 320
+    config.rollout.max_new_tokens = 24
+    result = train.train(config, str(tmp_path / "run"))
+    assert result["step"] == 2 and 0.0 <= result["eval/pass_rate"] <= 1.0
