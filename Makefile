@@ -5,11 +5,15 @@ VENV ?= .venv
 BIN = $(VENV)/bin
 WORKDIR ?= runs/tiny
 
-$(BIN)/.installed: requirements.txt requirements-jetstream.txt requirements-test.txt
+$(BIN)/.installed: requirements.txt requirements-jetstream.txt
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
-	$(BIN)/pip install -q -r requirements.txt -r requirements-test.txt
+	$(BIN)/pip install -q -r requirements.txt
 	$(BIN)/pip install -q --no-deps -r requirements-jetstream.txt
+	touch $@
+
+$(BIN)/.installed-test: $(BIN)/.installed requirements-test.txt
+	$(BIN)/pip install -q -r requirements-test.txt
 	touch $@
 
 venv: $(BIN)/.installed
@@ -17,13 +21,18 @@ venv: $(BIN)/.installed
 run: venv
 	JAX_PLATFORMS=cpu $(BIN)/python launch/run.py --config=configs/tiny.py --workdir=$(WORKDIR)
 
-test: venv
+test: $(BIN)/.installed-test
 	JAX_PLATFORMS=cpu $(BIN)/python -m pytest -n 2 -q tests
 
-test-slow: venv
+$(BIN)/.installed-tpu: $(BIN)/.installed-test requirements-tpu.txt
+	$(BIN)/pip install -q -r requirements-tpu.txt
+	touch $@
+
+# Slow checks: ahead-of-time TPU compiles (libtpu, ~700 MB), two-process runs, the notebook.
+test-slow: $(BIN)/.installed-tpu
 	JAX_PLATFORMS=cpu $(BIN)/python -m pytest -n 2 -q -m slow tests
 
-bench: venv
+bench: $(BIN)/.installed-test
 	JAX_PLATFORMS=cpu $(BIN)/python launch/bench.py
 
 .PHONY: venv run test test-slow bench

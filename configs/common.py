@@ -60,9 +60,15 @@ def base_config() -> ml_collections.ConfigDict:
     c.keep_checkpoints = 3
     c.init_checkpoint = ""  # Orbax params checkpoint to start RL from; empty = warm start here
 
-    c.task = ml_collections.ConfigDict(dict(name="arithmetic", max_prompt_len=16))
+    # name: arithmetic (synthetic, embedded) or jsonl_math (path: JSONL of {problem, answer};
+    # tokenizer: a tokenizer.json; heldout_fraction of problems held out by hash).
+    c.task = ml_collections.ConfigDict(dict(name="arithmetic", max_prompt_len=16, path="", tokenizer="",
+                                            heldout_fraction=0.02))
 
+    # preset: a name in rl_scaling/policy/presets.py (dense_8b, scout); its other fields then
+    # override the preset's (configs/dense_8b.py). "" = the explicit fields below (tiny).
     c.model = ml_collections.ConfigDict(dict(
+        preset="",
         vocab_size=64, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=16, mlp_dim=192,
         rope_theta=10000.0, norm_eps=1e-5, dtype="float32", param_dtype="float32", tie_embeddings=False,
         remat=False, num_experts=0, num_experts_per_tok=1, moe_mlp_dim=0, shared_expert=True,
@@ -83,6 +89,10 @@ def base_config() -> ml_collections.ConfigDict:
         queue_size=0,  # prompt groups generated ahead (in flight + ready); 0 = 2 x prompts_per_step
         server="",  # host:port of `launch/serve.py`; "" = engine in this process
         engine_slots=0,  # max concurrent decodes of the engine; 0 = prompts_per_step x samples_per_prompt
+        # Devices (the last ones) the in-process engine gets to itself; the trainer keeps the rest.
+        # 0 = the engine shares the trainer's first device (its computations then queue behind the
+        # trainer's). On CPU: XLA_FLAGS=--xla_force_host_platform_device_count=2 and engine_devices=1.
+        engine_devices=0,
         reconnect_s=10.0,  # how long the trainer waits for a lost rollout server before stopping
         # Length control (rollout/length_control.py): "none" (truncate at max_new_tokens),
         # "interrupt" (ScaleRL's forced interruption), "overlong" (DAPO's penalty, rl.overlong_*).
@@ -127,6 +137,14 @@ def base_config() -> ml_collections.ConfigDict:
     c.eval = ml_collections.ConfigDict(dict(num_prompts=256, samples_per_prompt=4, batch_size=1024))
 
     c.mesh = ml_collections.ConfigDict(dict(data=1, fsdp=-1, tensor=1, expert=1))
+
+    # TPU slices for `launch/run.py --dry_run` (rl_scaling/dry_run.py): the trainer's slice (its
+    # mesh is c.mesh), the generators' slice and its mesh (data = independent engine replicas,
+    # each running rollout.engine_slots concurrent decodes), e.g. "v5p:2x2x4". hbm_gib: per-chip
+    # capacity override (0 = the chip's). Empty topologies: no dry run.
+    c.tpu = ml_collections.ConfigDict(dict(
+        train_topology="", gen_topology="", gen_mesh=dict(data=-1, fsdp=1, tensor=1, expert=1), hbm_gib=0.0,
+    ))
     return c
 
 
@@ -142,6 +160,21 @@ def apply_recipe(config: ml_collections.ConfigDict, name: str) -> ml_collections
     per_update = max(1, round(config.rollout.prompts_per_step * batch_scale))
     config.rollout.prompts_per_step = per_update * config.rl.num_minibatches
     return config
+
+
+def recipe_deviations(config: ml_collections.ConfigDict) -> list[str]:
+    """Switches where a config labelled with a recipe's name differs from that recipe (a run
+    labelled 'dapo' that is not DAPO would be pooled with real DAPO runs by the fitter)."""
+    recipe = RECIPES.get(config.recipe)
+    if recipe is None:  # a custom label, e.g. an ablation's
+        return []
+    out = []
+    for dotted, value in recipe.items():
+        if "." in dotted:
+            section, field = dotted.split(".")
+            if config[section][field] != value:
+                out.append(f"{dotted}={config[section][field]!r} (recipe: {value!r})")
+    return out
 
 
 def parse_arg(arg: str | None) -> dict:

@@ -12,15 +12,16 @@ process, and prints our sampler's speed as a ratio to it.
 Sizes: tiny = configs/tiny.py; small = 2 layers, d 64; medium = 4 layers, d 256 (the
 dims at which the project compares itself with other JAX RL libraries).
 
-    python launch/bench.py --dims= --modes=sync,ppo8,pipeline8[,remote8] [--steps=64]
+    python launch/bench.py --dims= --modes=sync,ppo8,pipeline8,remote8 [--steps=64] [--repeats=3]
 
-runs the tiny RL loop (launch/run.py's `train`, after one shared warm start) once per
-off-policy scheme and prints samples/s as a ratio to `sync` from the same invocation, with
-the trainer's and the generator's idle fractions: sync (generate, then one update),
-ppo8 (PPO-off-policy-8: 8 x 32 prompts generated, 8 minibatch updates), pipeline8
-(PipelineRL-8, JetStream engine in this process), remote8 (PipelineRL-8 with the engine in
-a `launch/serve.py` process on loopback). The first quarter of the steps (compilation) is
-not timed.
+runs the tiny RL loop (launch/run.py's `train`, after one shared warm start) for each
+off-policy scheme, each in a fresh process, and prints samples/s as a ratio to `sync` from
+the same invocation, with the trainer's and the generator's idle fractions: sync (generate,
+then one update), ppo8 (PPO-off-policy-8: 8 x 32 prompts generated, 8 minibatch updates),
+pipeline8 (PipelineRL-8, JetStream engine in the trainer's process on a second XLA CPU
+device), pipeline8_shared (the same on the trainer's only device, where its computations
+queue behind the trainer's), remote8 (PipelineRL-8, engine in a `launch/serve.py` process
+on loopback). The first quarter of the steps (compilation) is not timed.
 """
 
 import argparse
@@ -154,9 +155,19 @@ def main():
     parser.add_argument("--steps", type=int, default=64, help="RL steps per scheme for --modes (ppo8: steps/8)")
     parser.add_argument("--workdir", default="/tmp/rl_scaling/bench_modes")
     parser.add_argument("--init_checkpoint", default="", help="params to start from (default: one warm start)")
+    parser.add_argument("--repeats", type=int, default=1, help="interleaved rounds of --modes (median reported)")
+    parser.add_argument("--one_mode", default="", help=argparse.SUPPRESS)  # internal: one scheme, in this process
+    parser.add_argument("--json", default="", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.one_mode:
+        import json
+
+        result = run_one_mode(args.one_mode, args.steps, os.path.join(args.workdir, args.one_mode), args.init_checkpoint)
+        with open(args.json, "w") as f:
+            json.dump(result, f)
+        return
     if args.modes:
-        bench_modes(args.modes.split(","), args.steps, args.workdir, args.init_checkpoint)
+        bench_modes(args.modes.split(","), args.steps, args.workdir, args.init_checkpoint, args.repeats)
     peak = matmul_flops_per_s()
     print(f"machine: {jax.devices()[0].platform}, {os.cpu_count()} cores; matmul {peak / 1e9:.1f} GFLOP/s (float32)")
     all_sizes = sizes()
@@ -169,17 +180,25 @@ def main():
             print(f"  transformers generate: {ref:,.0f} tokens/s -> ours/theirs = {tps / ref:.1f}x")
 
 
+MODES = {  # scheme -> (config overrides, XLA CPU devices in the trainer's process)
+    "sync": ({}, 1),
+    "ppo8": ({"rollout.prompts_per_step": 8 * 32, "rl.num_minibatches": 8}, 1),
+    "pipeline8": ({"rollout.mode": "pipeline", "rollout.engine_devices": 1}, 2),  # the engine on its own device
+    "pipeline8_shared": ({"rollout.mode": "pipeline"}, 1),  # the engine queues behind the trainer on one device
+    "remote8": ({"rollout.mode": "pipeline"}, 1),  # + launch/serve.py in its own process
+}
+
+
 def _mode_config(mode, steps, init_checkpoint):
     config = tiny.get_config()
     config.rollout.max_staleness = 8
+    config.rollout.length_control = "none"  # the same for every scheme (config.py: no interruption in pipeline mode yet)
     config.steps = steps
+    for dotted, value in MODES[mode][0].items():
+        section, field = dotted.split(".")
+        config[section][field] = value
     if mode == "ppo8":  # PPO-off-policy-8: 8 x 32 prompts per generation, 8 minibatch updates
-        config.rollout.prompts_per_step, config.rl.num_minibatches = 8 * 32, 8
-        config.steps = max(steps // 8, 2)
-    elif mode in ("pipeline8", "remote8"):
-        config.rollout.mode = "pipeline"
-    elif mode != "sync":
-        sys.exit(f"--modes: unknown scheme {mode!r}; valid: sync, ppo8, pipeline8, remote8")
+        config.steps = max(steps // 8, 4)
     config.eval_every = config.checkpoint_every = config.log_every = config.steps
     config.eval.num_prompts, config.eval.batch_size = 16, 64
     config.init_checkpoint = init_checkpoint
@@ -192,9 +211,10 @@ def _start_server(config, workdir):
     port_file = os.path.join(workdir, "port")
     if os.path.exists(port_file):
         os.remove(port_file)
-    overrides = [f"--config.{k}={v}" for k, v in (("rollout.max_new_tokens", config.rollout.max_new_tokens),)]
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     proc = subprocess.Popen([sys.executable, os.path.join(os.path.dirname(__file__), "serve.py"), "--port=0",
-                             f"--port_file={port_file}", "--num_devices=1", *overrides],
+                             f"--port_file={port_file}", "--num_devices=1",
+                             f"--config.rollout.length_control={config.rollout.length_control}"], env=env,
                             stdout=open(os.path.join(workdir, "serve.log"), "w"), stderr=subprocess.STDOUT)
     for _ in range(240):
         if os.path.exists(port_file):
@@ -206,56 +226,79 @@ def _start_server(config, workdir):
     sys.exit("launch/serve.py did not start within 120 s")
 
 
-def bench_modes(modes, steps, workdir, init_checkpoint):
+def run_one_mode(mode, steps, run_dir, init_checkpoint) -> dict:
+    """One scheme in this process: train, then samples/s and idle fractions from metrics.jsonl."""
     import json
     import shutil
 
     from rl_scaling import train
 
+    config = _mode_config(mode, steps, init_checkpoint)
+    shutil.rmtree(run_dir, ignore_errors=True)
+    os.makedirs(run_dir)
+    server, extra_devices = None, 0
+    if mode == "remote8":
+        server, config.rollout.server = _start_server(config, run_dir)
+        extra_devices = 1
+    try:
+        train.train(config, run_dir)
+    finally:
+        if server is not None:
+            server.terminate()
+            server.wait(30)
+    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+        per_step = {r["step"]: r for r in map(json.loads, f) if "time/rollout_s" in r}
+    skip = max(config.steps // 4, 1)
+    timed = [per_step[s] for s in sorted(per_step) if s > skip]
+    wall = (timed[-1]["accel_seconds"] - per_step[skip]["accel_seconds"]) / (jax.device_count() + extra_devices)
+    samples = timed[-1]["samples"] - per_step[skip]["samples"]
+    if config.rollout.mode == "pipeline":
+        t_idle = float(np.mean([r["rollout/trainer_idle_frac"] for r in timed]))
+        g_idle = float(np.mean([r["rollout/gen_idle_frac"] for r in timed]))
+        stale = float(np.mean([r["rollout/staleness_mean"] for r in timed]))
+    else:  # one thread: the trainer waits while generating, the generator while training
+        t_idle = sum(r["time/rollout_s"] for r in timed) / wall
+        g_idle, stale = 1.0 - t_idle, 0.0
+    return {"samples_per_s": samples / wall, "trainer_idle": t_idle, "gen_idle": g_idle, "staleness": stale}
+
+
+def bench_modes(modes, steps, workdir, init_checkpoint, repeats):
+    """Each scheme in a fresh process (its own XLA device layout), `repeats` interleaved rounds."""
+    import json
+    import subprocess
+
+    for mode in modes:
+        if mode not in MODES:
+            sys.exit(f"--modes: unknown scheme {mode!r}; valid: {', '.join(MODES)}")
+    os.makedirs(workdir, exist_ok=True)
     if not init_checkpoint:  # one warm start, shared by every scheme
         ws_dir = os.path.join(workdir, "warmstart_run")
         init_checkpoint = os.path.join(ws_dir, "warmstart", "params")
         if not os.path.isdir(init_checkpoint):
-            config = _mode_config("sync", 1, "")
-            train.train(config, ws_dir)
-    rows = {}
-    for mode in modes:
-        config = _mode_config(mode, steps, init_checkpoint)
-        run_dir = os.path.join(workdir, mode)
-        shutil.rmtree(run_dir, ignore_errors=True)
-        os.makedirs(run_dir)
-        server, extra_devices = None, 0
-        if mode == "remote8":
-            server, config.rollout.server = _start_server(config, run_dir)
-            extra_devices = 1
-        try:
-            train.train(config, run_dir)
-        finally:
-            if server is not None:
-                server.terminate()
-                server.wait(30)
-        with open(os.path.join(run_dir, "metrics.jsonl")) as f:
-            lines = [json.loads(line) for line in f]
-        per_step = {r["step"]: r for r in lines if "time/rollout_s" in r}
-        skip = max(config.steps // 4, 1)
-        timed = [per_step[s] for s in sorted(per_step) if s > skip]
-        first, last = per_step[skip], timed[-1]
-        wall = (last["accel_seconds"] - first["accel_seconds"]) / (jax.device_count() + extra_devices)
-        samples = last["samples"] - first["samples"]
-        if config.rollout.mode == "pipeline":
-            t_idle = float(np.mean([r["rollout/trainer_idle_frac"] for r in timed]))
-            g_idle = float(np.mean([r["rollout/gen_idle_frac"] for r in timed]))
-            stale = float(np.mean([r["rollout/staleness_mean"] for r in timed]))
-        else:  # one thread: the trainer waits while generating, the generator while training
-            t_idle = sum(r["time/rollout_s"] for r in timed) / wall
-            g_idle, stale = 1.0 - t_idle, 0.0
-        rows[mode] = (samples / wall, t_idle, g_idle, stale)
-    base = rows.get("sync", (None,))[0]
-    print(f"\nsamples/s on {os.cpu_count()} cores (tiny config, 32 prompts x 8 samples per update; {steps} steps)")
-    print(f"{'scheme':<10} {'samples/s':>10} {'vs sync':>8} {'trainer idle':>13} {'generator idle':>15} {'staleness':>10}")
-    for mode, (sps, t_idle, g_idle, stale) in rows.items():
-        ratio = f"{sps / base:.2f}x" if base else "-"
-        print(f"{mode:<10} {sps:>10.1f} {ratio:>8} {t_idle:>13.2f} {g_idle:>15.2f} {stale:>10.2f}")
+            from rl_scaling import train
+
+            train.train(_mode_config("sync", 1, ""), ws_dir)
+    results = {m: [] for m in modes}
+    for r in range(repeats):
+        for mode in modes:
+            out = os.path.join(workdir, f"{mode}.json")
+            env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={MODES[mode][1]}")
+            subprocess.run([sys.executable, os.path.abspath(__file__), "--dims=", f"--one_mode={mode}",
+                            f"--steps={steps}", f"--workdir={workdir}", f"--init_checkpoint={init_checkpoint}",
+                            f"--json={out}"], env=env, check=True,
+                           stdout=subprocess.DEVNULL, stderr=open(os.path.join(workdir, f"{mode}.log"), "w"))
+            with open(out) as f:
+                results[mode].append(json.load(f))
+            print(f"round {r + 1}: {mode}: {results[mode][-1]['samples_per_s']:.1f} samples/s", flush=True)
+    med = {m: {k: float(np.median([x[k] for x in v])) for k in v[0]} for m, v in results.items()}
+    base = med.get("sync", {}).get("samples_per_s")
+    print(f"\nsamples/s on {os.cpu_count()} cores, median of {repeats} interleaved round(s) (tiny config, "
+          f"32 prompts x 8 samples per update; {steps} steps, the first quarter untimed)")
+    print(f"{'scheme':<17} {'samples/s':>10} {'vs sync':>8} {'trainer idle':>13} {'generator idle':>15} {'staleness':>10}")
+    for mode, m in med.items():
+        ratio = f"{m['samples_per_s'] / base:.2f}x" if base else "-"
+        print(f"{mode:<17} {m['samples_per_s']:>10.1f} {ratio:>8} {m['trainer_idle']:>13.2f} {m['gen_idle']:>15.2f} "
+              f"{m['staleness']:>10.2f}")
 
 
 if __name__ == "__main__":

@@ -24,8 +24,14 @@ def main(argv):
     absl_logging.set_verbosity(absl_logging.WARNING)
     for noisy in ("absl", "jax", "orbax", "grain"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
+    from configs import common
     from rl_scaling import train  # after flags: jax reads its env at import
 
+    deviations = common.recipe_deviations(_CONFIG.value)
+    if deviations:
+        logging.warning("this run is labelled recipe=%r but differs from it in %s; select a recipe with "
+                        "--config=configs/tiny.py:recipe=NAME, and label an ablation with --config.recipe=LABEL "
+                        "(the fitter groups seeds by that label)", _CONFIG.value.recipe, ", ".join(deviations))
     result = train.train(_CONFIG.value, _WORKDIR.value)
     print("done:", {k: round(v, 4) if isinstance(v, float) else v for k, v in result.items()})
 

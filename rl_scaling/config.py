@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from rl_scaling.policy import model as model_lib
+from rl_scaling.policy import model as model_lib, presets
 from rl_scaling.rl import losses
 from rl_scaling.rollout import length_control
 
@@ -69,17 +69,21 @@ def recipe_switches(config) -> None:
         raise ValueError(f"config.rl.loss='reinforce' has no importance weight and needs on-policy data, but "
                          f"config.rl.num_minibatches={rl.num_minibatches} / config.rollout.mode={rc.mode!r} train on "
                          "off-policy data; use rl.loss in ['cispo', 'gspo', 'ppo_clip'] or num_minibatches=1, mode='sync'")
-    if rc.mode == "pipeline":  # not implemented by the pipeline's engine (rollout/engine.py) yet
-        if rc.length_control == "interrupt":
-            raise ValueError("config.rollout.length_control='interrupt' is not supported with config.rollout.mode="
-                             "'pipeline' yet (the engine does not inject the phrase); choose length_control in "
-                             "['none', 'overlong'] or mode='sync'")
+    if rc.mode == "pipeline":  # the engine (rollout/engine.py) does forced interruption, not dynamic sampling
         if rc.dynamic_sampling:
             raise ValueError("config.rollout.dynamic_sampling=True is not supported with config.rollout.mode='pipeline'; "
                              "use mode='sync'")
 
 
 def model_config(config, fp32_lm_head: bool | None = None) -> model_lib.ModelConfig:
+    """config.model as a ModelConfig: a named preset (policy/presets.py) with the section's other
+    fields as overrides, or, with preset "", the explicit fields."""
     fields = dict(config.model)
+    preset = fields.pop("preset", "")
     fields["fp32_lm_head"] = config.rl.fp32_lm_head if fp32_lm_head is None else fp32_lm_head
+    if preset:
+        try:
+            return presets.get(preset, **fields)
+        except TypeError as e:  # a field the ModelConfig does not have
+            raise ValueError(f"config.model: {e}") from e
     return model_lib.ModelConfig(**fields)

@@ -34,7 +34,8 @@ class MetricsWriter:
         clean = {k: (float(v) if not isinstance(v, (int, str)) else v) for k, v in metrics.items()}
         for k, v in clean.items():
             if isinstance(v, float) and not math.isfinite(v) and not k.startswith("eval/"):
-                raise FloatingPointError(f"metric {k} is {v} at step {step}; stopping (last checkpoint kept)")
+                raise FloatingPointError(f"metric {k} is {v} at step {step}; stopping. The last checkpoint is "
+                                         f"untouched: lower config.optim.lr or check the rewards, then re-run to resume")
             if not isinstance(v, str):
                 self.tb.add_scalar(k, v, step)
         with open(self.path, "a") as f:

@@ -89,6 +89,22 @@ def batch_sharding(mesh: Mesh, ndim: int) -> NamedSharding:
     return logical_sharding(mesh, ("batch",) + (None,) * (ndim - 1))
 
 
+def constrain(x, logical_axes: Sequence[str | None]):
+    """Constrain `x` by logical axis names when a mesh is in context (inside `jit_step`, the
+    dry run, `jax.set_mesh`); a no-op otherwise, so model code runs unchanged without one."""
+    return nn.with_logical_constraint(x, tuple(logical_axes), rules=LOGICAL_RULES)
+
+
+def tracing_mesh(mesh: Mesh | None):
+    """Context for tracing a jitted function over `mesh`: `constrain` and the MoE layer's
+    shard_map read it. A no-op context without a mesh."""
+    if mesh is None:
+        import contextlib
+
+        return contextlib.nullcontext()
+    return jax.sharding.use_abstract_mesh(mesh.abstract_mesh)
+
+
 def constrain_batch(x, mesh: Mesh | None, axis: int = 0):
     """Keep `x` split over the data axes along `axis` (inside jit); no-op without a mesh."""
     if mesh is None:

@@ -19,8 +19,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from rl_scaling import checkpoint, compute, config as config_lib, data, evaluate, metrics as metrics_lib, sharding, tasks
-from rl_scaling.rl import train_step as ts
-from rl_scaling.rollout import collect, pipeline
+from rl_scaling.rl import filters, train_step as ts
+from rl_scaling.rollout import collect, length_control, pipeline
 
 log = logging.getLogger(__name__)
 
@@ -45,12 +45,12 @@ def train(config, workdir: str) -> dict:
     if jax.process_index() == 0:
         with open(os.path.join(workdir, "config.json"), "w") as f:
             json.dump(config.to_dict(), f, indent=1)
-    mesh = sharding.make_mesh(dict(config.mesh))
+    mesh = sharding.make_mesh(dict(config.mesh), pipeline.trainer_devices(config))  # all but an embedded engine's own
     task = tasks.make_task(config.task, config.seed)
-    if config.model.vocab_size < task.tokenizer.vocab_size:
-        raise ValueError(f"config.model.vocab_size={config.model.vocab_size} is smaller than the tokenizer's "
-                         f"{task.tokenizer.vocab_size}")
     train_cfg = config_lib.model_config(config, config.rl.fp32_lm_head)
+    if train_cfg.vocab_size < task.tokenizer.vocab_size:  # a preset's vocab_size is not in config.model
+        raise ValueError(f"config.model.vocab_size={train_cfg.vocab_size} is smaller than the tokenizer's "
+                         f"{task.tokenizer.vocab_size}")
     gen_cfg = config_lib.model_config(config, config.rollout.fp32_lm_head)
     eval_problems = task.eval_problems(config.eval.num_prompts)
     optimizer = ts.make_optimizer(config.optim)
@@ -79,7 +79,11 @@ def train(config, workdir: str) -> dict:
                  "step": jnp.zeros((), jnp.int32)}
         step, meta = 0, {"data": None, "compute_flops": 0.0, "accel_seconds": 0.0, "samples": 0}
 
-    stream = data.prompt_stream(task, config.seed, P)
+    length = length_control.LengthControl(config, task.tokenizer)  # forced interruption / overlong penalty
+    npr = filters.NoPositiveResampling(task.tokenizer, config.rl.npr_threshold) if config.rl.no_positive_resampling else None
+    if npr is not None and meta.get("npr"):
+        npr.load(meta["npr"])  # before the iterator state: the stream's filter reads it
+    stream = data.prompt_stream(task, config.seed, P, keep=npr.keep if npr else None)
     if meta["data"] is not None:
         stream.set_state(meta["data"])
     writer = metrics_lib.MetricsWriter(workdir, resume_step=step if restored else None)
@@ -103,30 +107,41 @@ def train(config, workdir: str) -> dict:
         step += 1
         t0 = time.time()
         if rollouts is None:
-            problems = next(stream)
             rng = jax.random.fold_in(base_rng, step)
-            prompt_tokens, prompt_mask, out, _, rewards = collect.generate(state["params"], gen_cfg, task, problems, G, rng, **gen_kw)
-            rollout_metrics = {"time/rollout_s": time.time() - t0}
+            jax.block_until_ready(state["params"])  # the sampler waits for them anyway; time generation alone
+            t_gen = time.time()
+            ro = collect.sync_rollouts(state["params"], gen_cfg, task, stream, P, G, rng, length=length,
+                                       dynamic_rounds=config.rollout.dynamic_sampling and config.rollout.dynamic_sampling_rounds,
+                                       **gen_kw)
+            prompt_tokens, prompt_mask, out, rewards, correct = ro[:5]
+            rollout_metrics = {"time/rollout_s": time.time() - t_gen, **ro.metrics}
+            generated = ro.generated  # (prompt, completion) lengths of every sampled sequence
         else:  # P whole prompt groups, at most rollout.max_staleness policy versions old
-            prompt_tokens, prompt_mask, out, rewards, rollout_metrics = rollouts.next_batch()[:5]
+            prompt_tokens, prompt_mask, out, raw, rollout_metrics = rollouts.next_batch()[:5]
+            correct, rewards = (raw > 0).astype(np.float32), length.shape_rewards(raw, out.lengths_B)
+            generated = (prompt_mask.sum(1), out.lengths_B)
         batch = collect.rl_batch(prompt_tokens, prompt_mask, out, rewards, P, G)
         state, step_metrics = rl_step(state, batch)
         if rollouts is not None:  # new weights reach the generator now; sequences in flight continue
             rollouts.push_weights(state["params"], step)
+        if npr is not None:  # No-Positive-Resampling: prompts that reached the threshold leave the stream
+            rollout_metrics.update(npr.update(prompt_tokens[::G], prompt_mask[::G], correct.reshape(P, G)))
 
-        gen_flops, train_flops = compute.sequence_flops(train_cfg, prompt_mask.sum(1), out.lengths_B)
-        counters["compute_flops"] += gen_flops + config.rl.num_minibatches * train_flops
-        counters["samples"] += P * G
-        host = {"truncation_rate": float(out.truncated_B.mean()), "response_len": float(out.lengths_B.mean()),
-                "pass_rate_train": float(rewards.mean()), **rollout_metrics}
+        gen_flops, _ = compute.sequence_flops(train_cfg, *generated)
+        _, train_flops = compute.sequence_flops(train_cfg, prompt_mask.sum(1), out.lengths_B)
+        counters["compute_flops"] += gen_flops + train_flops  # k minibatches split the batch: one pass over it
+        counters["samples"] += len(generated[1])
+        host = {"truncation_rate": float(out.truncated_B.mean()), "interruption_rate": float(out.interrupted_B.mean()),
+                "response_len": float(out.lengths_B.mean()), "pass_rate_train": float(correct.mean()), **rollout_metrics}
         if pending is not None:
             writer.write(pending[0], {**jax.device_get(pending[1]), **pending[2]})
         counters["accel_seconds"] += (time.time() - t0) * n_devices
         pending = (step, step_metrics, {**host, **counters})
 
         is_eval = step % config.eval_every == 0 or step == config.steps
-        if is_eval or step % config.log_every == 0:
-            writer.write(*_drain(pending))
+        is_checkpoint = step % config.checkpoint_every == 0 or step == config.steps
+        if is_eval or is_checkpoint or step % config.log_every == 0:
+            writer.write(*_drain(pending))  # raises on a NaN loss before anything is saved
             pending = None
         if is_eval:
             last_eval = run_eval(state["params"], step)
@@ -135,8 +150,8 @@ def train(config, workdir: str) -> dict:
         if is_eval or step % config.log_every == 0:
             progress.print(step, {**({"eval/pass_rate": last_eval["pass_rate"]} if is_eval else {}),
                                   "reward_mean": float(rewards.mean())})
-        if step % config.checkpoint_every == 0 or step == config.steps:
-            meta = {"data": stream.get_state(), **counters}
+        if is_checkpoint:
+            meta = {"data": stream.get_state(), **counters, **({"npr": npr.state()} if npr else {})}
             ckpts.save(step, state, meta)
     if pending is not None:
         writer.write(*_drain(pending))

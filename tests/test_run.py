@@ -157,3 +157,17 @@ def test_eval_fit_loop_evaluates_each_checkpoint_once_and_fits(tmp_path):
     fit = json.loads((tmp_path / "eval_fit" / "fit.json").read_text())
     assert fit["status"] in ("ok", "error")  # a 10-step random-ish curve may not fit, but it reports
     assert "messages" in fit or "message" in fit
+
+
+def test_nan_loss_stops_clearly_and_keeps_the_last_checkpoint(tmp_path):
+    from rl_scaling import train
+
+    train.train(fast_config(steps=2, eval_every=2, checkpoint_every=2), str(tmp_path))
+    config = fast_config(steps=30, eval_every=30, checkpoint_every=1)
+    config.optim.lr, config.optim.grad_clip = 1e30, 1e30  # blows the policy up within a few steps
+    with pytest.raises(FloatingPointError, match=r"is (nan|inf) at step \d+; stopping"):
+        train.train(config, str(tmp_path))
+    steps = sorted(int(d) for d in os.listdir(tmp_path / "checkpoints") if d.isdigit())
+    # Resuming from the newest checkpoint with a sane config works: nothing saved is NaN.
+    result = train.train(fast_config(steps=steps[-1] + 1, eval_every=100, checkpoint_every=100), str(tmp_path))
+    assert result["step"] == steps[-1] + 1

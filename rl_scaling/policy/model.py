@@ -25,6 +25,8 @@ import jax
 import jax.numpy as jnp
 from flax import linen as nn
 
+from rl_scaling import sharding
+
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 
 
@@ -44,6 +46,9 @@ class ModelConfig:
     fp32_lm_head: bool = True  # logits in float32 even when the body runs in bfloat16
     tie_embeddings: bool = False
     remat: bool = False
+    # >0: attention runs over blocks of this many queries under jax.checkpoint, so the
+    # [T, S] scores of a long sequence never exist at once (16k-token RL sequences)
+    attn_query_chunk: int = 0
     # Mixture of experts (0 experts = dense SwiGLU in every layer); see moe.py.
     num_experts: int = 0
     num_experts_per_tok: int = 1
@@ -153,17 +158,31 @@ class Attention(nn.Module):
 
         B, T = x_BTD.shape[:2]
         q_BTKGH = q_BTNH.reshape(B, T, K, G, H)
-        scores = jnp.einsum("btkgh,bskh->bkgts", q_BTKGH, k_BSKH, preferred_element_type=jnp.float32)
-        scores = scores * (H ** -0.5)
-        scores = jnp.where(mask_BTS[:, None, None], scores, jnp.finfo(jnp.float32).min)
-        probs = jax.nn.softmax(scores, axis=-1).astype(dtype)
-        out_BTKGH = jnp.einsum("bkgts,bskh->btkgh", probs, v_BSKH)
+        C = cfg.attn_query_chunk
+        if C and T > C:  # blocks of C queries (padded), each recomputed in the backward pass
+            n, pad = -(-T // C), -T % C
+            split = lambda x: jnp.pad(x, [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2)).reshape(  # noqa: E731
+                (B, n, C) + x.shape[2:]).swapaxes(0, 1)
+            block = jax.checkpoint(lambda q, m: _attend(q, k_BSKH, v_BSKH, m, dtype))
+            out_nBCKGH = jax.lax.map(lambda qm: block(*qm), (split(q_BTKGH), split(mask_BTS)))
+            out_BTKGH = out_nBCKGH.swapaxes(0, 1).reshape(B, n * C, K, G, H)[:, :T]
+        else:
+            out_BTKGH = _attend(q_BTKGH, k_BSKH, v_BSKH, mask_BTS, dtype)
         out_BTNH = out_BTKGH.reshape(B, T, cfg.n_heads, H)
         out_BTD = nn.DenseGeneral(
             cfg.d_model, axis=(-2, -1), dtype=dtype, param_dtype=pdtype, use_bias=False, name="o",
             kernel_init=nn.with_logical_partitioning(_dense_init(), ("heads", "head_dim", "embed")),
         )(out_BTNH)
         return out_BTD, new_cache_kv
+
+
+def _attend(q_BTKGH, k_BSKH, v_BSKH, mask_BTS, dtype):
+    """Softmax attention of T queries over S keys; scores and softmax in float32."""
+    scores = jnp.einsum("btkgh,bskh->bkgts", q_BTKGH, k_BSKH, preferred_element_type=jnp.float32)
+    scores = scores * (q_BTKGH.shape[-1] ** -0.5)
+    scores = jnp.where(mask_BTS[:, None, None], scores, jnp.finfo(jnp.float32).min)
+    probs = jax.nn.softmax(scores, axis=-1).astype(dtype)
+    return jnp.einsum("bkgts,bskh->btkgh", probs, v_BSKH)
 
 
 def _l2_norm(x, eps):
@@ -199,7 +218,7 @@ class Block(nn.Module):
         cfg = self.cfg
         dtype = DTYPES[cfg.dtype]
         layer_idx, cache_kv = layer_inputs
-        x_BTD = nn.with_logical_constraint(x_BTD, ("batch", "length", "embed"))
+        x_BTD = sharding.constrain(x_BTD, ("batch", "length", "embed"))
         h_BTD = RMSNorm(cfg.norm_eps, dtype, name="attn_norm")(x_BTD)
         attn = Attention(cfg, name="attn")
         if cfg.nope_layer_interval:
@@ -238,7 +257,12 @@ class Decoder(nn.Module):
             "embed", nn.with_logical_partitioning(nn.initializers.normal(1.0), ("vocab", "embed")),
             (cfg.vocab_size, cfg.d_model), pdtype,
         )
-        x_BTD = jnp.take(embed, tokens_BT, axis=0).astype(dtype)
+        # Lookup from a table gathered along `embed` (as FSDP gathers any weight; cast first, the
+        # values are cast anyway), still split along `vocab`: a masked local lookup plus a sum
+        # over `tensor`, already split over the batch. Taking straight from the [vocab, embed]-
+        # sharded table makes the partitioner replicate the looked-up activations.
+        table_VD = sharding.constrain(embed.astype(dtype), ("vocab", None))
+        x_BTD = sharding.constrain(jnp.take(table_VD, tokens_BT, axis=0), ("batch", "length", "embed"))
 
         B, T = tokens_BT.shape
         if cache is None:

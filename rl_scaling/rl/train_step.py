@@ -158,6 +158,7 @@ def rl_step(state, batch, *, model_cfg, rl_cfg, optimizer, mesh=None):
     metrics["rho_abs_dev_first_mb"] = stats["rho_abs_dev"][0]  # generator/trainer mismatch, before any update
     metrics["keep_frac"] = keep.mean()
     metrics["reward_mean"] = batch["rewards"].mean()
+    metrics["param_norm"] = optax.global_norm(params)  # non-finite params stop the run before a save
     new_state = {"params": params, "opt_state": opt_state, "step": state["step"] + 1}
     return new_state, metrics
 
@@ -184,7 +185,12 @@ REPLICATED_KEYS = ("rewards",)  # [P, G]: tiny, and P need not divide the device
 def jit_step(step_fn, state_sh, mesh, batch_keys=RL_BATCH_KEYS, **static):
     """jit with the state's shardings, per-sample batch arrays split over the data axes
     along their leading axis, and the old state donated."""
-    fn = functools.partial(step_fn, mesh=mesh, **static)
+    partial = functools.partial(step_fn, mesh=mesh, **static)
+
+    def fn(state, batch):  # traced with the mesh in context: sharding.constrain and MoE shard_map read it
+        with sharding.tracing_mesh(mesh):
+            return partial(state, batch)
+
     batch_sh = {k: sharding.replicated(mesh) if k in REPLICATED_KEYS else sharding.batch_sharding(mesh, 1)
                 for k in batch_keys}
     return jax.jit(fn, in_shardings=(state_sh, batch_sh), out_shardings=(state_sh, sharding.replicated(mesh)),

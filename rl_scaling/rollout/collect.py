@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import jax
 import numpy as np
 
 from rl_scaling import data
+from rl_scaling.rl import filters
 from rl_scaling.rollout import sampler
 
 
@@ -42,3 +45,61 @@ def rl_batch(prompt_tokens, prompt_mask, out, rewards, P, G):
         "old_logp": old_logp,
         "rewards": rewards.reshape(P, G),
     }
+
+
+class StepRollouts(NamedTuple):
+    prompt_tokens: np.ndarray  # [P*G, max_prompt_len]
+    prompt_mask: np.ndarray
+    out: sampler.Samples  # host arrays, P*G rows
+    rewards: np.ndarray  # [P*G] training reward (length control applied)
+    correct: np.ndarray  # [P*G] 1.0 where the verifier's reward is positive (pass rate, NPR)
+    problems: list  # [P]
+    metrics: dict
+    generated: tuple  # (prompt lengths, completion lengths) of every sequence sampled: compute
+
+
+def sync_rollouts(params, gen_cfg, task, stream, P, G, rng, *, length, dynamic_rounds=0, **gen_kw) -> StepRollouts:
+    """One step's P prompt groups from the stream, with length control (length_control.LengthControl).
+
+    dynamic_rounds > 0 is DAPO's dynamic sampling: groups whose samples all got the same
+    outcome are set aside and up to `dynamic_rounds` more batches of P prompts are generated
+    until P mixed groups are collected; if they are not, the step is filled up with set-aside
+    groups (logged as rollout/ds_padded_groups; they get zero advantage). Every generated
+    sequence counts in `generated` (training compute).
+    """
+    rounds, chosen, spare, generated = [], [], [], ([], [])
+    for r in range(1 + max(dynamic_rounds, 0)):
+        problems = next(stream)
+        key = rng if r == 0 else jax.random.fold_in(rng, r)
+        interrupt = length.interrupt_args(key, P * G)
+        prompt_tokens, prompt_mask, out, _, raw = generate(params, gen_cfg, task, problems, G, key,
+                                                           interrupt=interrupt, **gen_kw)
+        correct = (raw > 0).astype(np.float32)
+        rewards = length.shape_rewards(raw, out.lengths_B)
+        rounds.append((prompt_tokens, prompt_mask, out, rewards, correct, problems))
+        generated[0].append(prompt_mask.sum(1))
+        generated[1].append(np.asarray(out.lengths_B))
+        if dynamic_rounds <= 0:
+            chosen = [(0, p) for p in range(P)]
+            break
+        mixed = filters.mixed_groups(correct.reshape(P, G))
+        chosen += [(r, p) for p in range(P) if mixed[p]][: P - len(chosen)]
+        spare += [(r, p) for p in range(P) if not mixed[p]]
+        if len(chosen) == P:
+            break
+    padded = P - len(chosen)
+    chosen += spare[::-1][:padded]  # newest first
+    rows = np.concatenate([np.arange(p * G, (p + 1) * G) + r * P * G for r, p in chosen])
+
+    def take(i):
+        return np.concatenate([np.asarray(x[i]) for x in rounds])[rows]
+
+    out = sampler.Samples(*(np.concatenate([np.asarray(x[2][f]) for x in rounds])[rows]
+                            for f in range(len(sampler.Samples._fields))))
+    problems = [rounds[r][5][p] for r, p in chosen]
+    metrics = {}
+    if dynamic_rounds > 0:
+        metrics = {"rollout/ds_rounds": float(len(rounds)), "rollout/ds_padded_groups": float(padded),
+                   "rollout/ds_generated_groups": float(len(rounds) * P)}
+    return StepRollouts(take(0), take(1), out, take(3), take(4), problems, metrics,
+                        (np.concatenate(generated[0]), np.concatenate(generated[1])))

@@ -1,0 +1,71 @@
+"""Serve rollouts for a trainer in another process or on another slice.
+
+    python launch/serve.py --config=configs/tiny.py --port=50051
+    python launch/run.py --config=configs/tiny.py --config.rollout.mode=pipeline \\
+        --config.rollout.server=127.0.0.1:50051 --workdir=/tmp/tiny_remote
+
+Binds 127.0.0.1 unless --host names another interface (e.g. --host=0.0.0.0 on a pod's
+generator slice). The server holds no weights until the trainer pushes them; it serves
+the `rl_scaling.Rollout` gRPC service described in rl_scaling/rollout/server.py.
+Ctrl-C or SIGTERM stops it cleanly; it exits with status 1 if its generator fails.
+"""
+
+import logging
+import os
+import signal
+import sys
+import threading
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from absl import app, flags  # noqa: E402
+from ml_collections import config_flags  # noqa: E402
+
+_CONFIG = config_flags.DEFINE_config_file(
+    "config", os.path.join(os.path.dirname(__file__), "..", "configs", "tiny.py"),
+    "Experiment config file (model, task and rollout sizes must match the trainer's).", lock_config=True)
+_HOST = flags.DEFINE_string("host", "127.0.0.1", "Interface to bind; 127.0.0.1 (loopback) unless set.")
+_PORT = flags.DEFINE_integer("port", 50051, "Port to bind; 0 picks a free one (see --port_file).")
+_PORT_FILE = flags.DEFINE_string("port_file", "", "If set, write the bound port here once serving.")
+_NUM_DEVICES = flags.DEFINE_integer("num_devices", 0, "Local devices for the engine's mesh; 0 = all.")
+
+
+def main(argv):
+    del argv
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    for noisy in ("absl", "jax", "orbax"):
+        logging.getLogger(noisy).setLevel(logging.WARNING)
+    import jax
+
+    from rl_scaling.rollout import server as server_lib
+
+    devices = jax.devices()[: _NUM_DEVICES.value or None]
+    srv = server_lib.serve(_CONFIG.value, host=_HOST.value, port=_PORT.value, devices=devices)
+    stop = threading.Event()
+
+    def on_signal(signum, frame):
+        del frame
+        logging.info("signal %d: stopping the rollout server", signum)
+        stop.set()
+
+    signal.signal(signal.SIGINT, on_signal)
+    signal.signal(signal.SIGTERM, on_signal)
+    if _PORT_FILE.value:
+        tmp = _PORT_FILE.value + ".tmp"
+        with open(tmp, "w") as f:
+            f.write(str(srv.port))
+        os.replace(tmp, _PORT_FILE.value)
+    print(f"rollout server listening on {srv.address}", flush=True)
+    error = ""
+    while not stop.wait(0.5):
+        error = srv.error()
+        if error:
+            logging.error("rollout generator failed; reporting it to clients for 5 s, then exiting:\n%s", error)
+            stop.wait(5.0)
+            break
+    srv.stop()
+    sys.exit(1 if error else 0)
+
+
+if __name__ == "__main__":
+    app.run(main)

@@ -1,0 +1,312 @@
+"""Recipes x seeds, one run after another, then the comparison table and figures.
+
+    python launch/sweep.py --config=configs/tiny.py --recipes=scalerl,minimax,dapo,grpo,magistral \\
+        --seeds=3 --workdir=DIR [--extra="--config.eval.num_prompts=128"] [--dry_run]
+
+A recipe spec is a name from configs/common.py RECIPES, or a leave-one-out ablation
+`NAME+section.field=value[+...]` (e.g. `scalerl+rl.no_positive_resampling=False`), labelled
+by the spec itself. The config arg after ':' reaches the config file (tiny: samples=, evals=:
+`--config=configs/tiny.py:samples=76800` is a compute-matched short sweep); `--extra` passes
+more `--config.` overrides to every run.
+
+Layout: DIR/warmstart (one supervised warm start, shared by every run: the "base model"; skip
+with --init_checkpoint=PATH), DIR/<label>/seed<k> (one launch/run.py workdir each, log in
+run.log; a finished run is skipped when the sweep is re-run, an interrupted one resumes),
+DIR/fit (launch/fit.py: fit.json, per-recipe fits, asymptotes.png, heatmap.png),
+DIR/curves.png (raw held-out pass rate against compute), DIR/comparison.md (the table),
+DIR/sweep.json (commands, wall times, exit codes).
+--dry_run prints the commands (warm start first, then the runs, which are independent and can
+go to a cluster in parallel, then the fit) and runs nothing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import shlex
+import subprocess
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+from configs import common  # noqa: E402  (no jax: --dry_run stays fast)
+
+DONE = "sweep_done"
+
+
+def parse_args(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--config", default="configs/tiny.py", help="config file, optionally with ':arg=value,...'")
+    ap.add_argument("--recipes", default="scalerl,minimax,dapo,grpo,magistral",
+                    help="comma-separated recipe names or NAME+section.field=value ablations")
+    ap.add_argument("--seeds", type=int, default=3, help="seeds 0..N-1 per recipe")
+    ap.add_argument("--workdir", required=True)
+    ap.add_argument("--extra", default="", help="more --config.* overrides for every run (one string)")
+    ap.add_argument("--init_checkpoint", default="", help="params to start every run from (default: a shared warm start)")
+    ap.add_argument("--dry_run", action="store_true", help="print the commands, run nothing")
+    ap.add_argument("--axis", default="flops", choices=("flops", "accel_hours", "steps"), help="compute axis of the fit")
+    ap.add_argument("--fit_args", default="", help="more launch/fit.py flags (one string), e.g. '--n-boot=300'")
+    ap.add_argument("--python", default=sys.executable)
+    return ap.parse_args(argv)
+
+
+def parse_recipes(text):
+    """[(label, name, [--config.* overrides])]; unknown names fail listing the valid ones."""
+    specs = []
+    for spec in filter(None, (s.strip() for s in text.split(","))):
+        name, *fields = spec.split("+")
+        if name not in common.RECIPES:
+            raise SystemExit(f"--recipes: unknown recipe {name!r}; valid recipes: {', '.join(sorted(common.RECIPES))}")
+        overrides = []
+        for f in fields:
+            if "=" not in f or "." not in f.split("=", 1)[0]:
+                raise SystemExit(f"--recipes: ablation {f!r} in {spec!r} must look like section.field=value")
+            overrides.append(f"--config.{f}")
+        if fields:
+            overrides.append(f"--config.recipe={spec}")  # the label the fitter groups seeds by
+        specs.append((spec, name, overrides))
+    labels = [s[0] for s in specs]
+    if not specs or len(set(labels)) != len(labels):
+        raise SystemExit(f"--recipes: give distinct recipes, got {text!r}")
+    return specs
+
+
+def _config_flag(config, **args):
+    path, _, arg = config.partition(":")
+    merged = dict(common.parse_arg(arg))
+    merged.update({k: str(v) for k, v in args.items()})
+    return f"--config={path}:" + ",".join(f"{k}={v}" for k, v in merged.items())
+
+
+def plan(args):
+    """The warm-start command (or None), the runs [(label, seed, workdir, cmd)] and the init path."""
+    specs = parse_recipes(args.recipes)
+    if args.seeds < 1:
+        raise SystemExit("--seeds must be >= 1")
+    workdir = os.path.abspath(args.workdir)
+    run_py = os.path.join(ROOT, "launch", "run.py")
+    extra = shlex.split(args.extra)
+    warm, init = None, args.init_checkpoint
+    if not init:
+        ws_dir = os.path.join(workdir, "warmstart")
+        init = os.path.join(ws_dir, "warmstart", "params")
+        warm = [args.python, run_py, _config_flag(args.config, recipe=specs[0][1], seed=0), f"--workdir={ws_dir}",
+                *extra, "--config.steps=1", "--config.eval_every=1", "--config.checkpoint_every=1"]
+    runs = []
+    for seed in range(args.seeds):  # seed-major: a complete comparison exists after the first pass
+        for label, name, overrides in specs:
+            wd = os.path.join(workdir, label, f"seed{seed}")
+            cmd = [args.python, run_py, _config_flag(args.config, recipe=name, seed=seed), f"--workdir={wd}",
+                   f"--config.init_checkpoint={init}", *overrides, *extra]
+            runs.append((label, seed, wd, cmd))
+    return warm, runs, init
+
+
+def fit_cmd(args, workdirs):
+    return [args.python, os.path.join(ROOT, "launch", "fit.py"), *workdirs,
+            f"--out={os.path.join(os.path.abspath(args.workdir), 'fit')}", f"--axis={args.axis}",
+            *shlex.split(args.fit_args)]
+
+
+def _run(cmd, log_path):
+    os.makedirs(os.path.dirname(log_path), exist_ok=True)
+    t0 = time.time()
+    with open(log_path, "a") as log:
+        log.write("$ " + shlex.join(cmd) + "\n")
+        log.flush()
+        rc = subprocess.call(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT,
+                             env=dict(os.environ, JAX_PLATFORMS=os.environ.get("JAX_PLATFORMS", "cpu")))
+    return rc, time.time() - t0
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    warm, runs, init = plan(args)
+    if args.dry_run:
+        if warm:
+            print("# 1. the shared warm start (run first)")
+            print(shlex.join(warm))
+        print("# 2. the runs (independent of each other)")
+        for *_, cmd in runs:
+            print(shlex.join(cmd))
+        print("# 3. the fit and the comparison table")
+        print(shlex.join(fit_cmd(args, [wd for _, _, wd, _ in runs])))
+        print("# (or this command without --dry_run once the runs are done: it skips finished runs, fits and "
+              "writes comparison.md)")
+        return 0
+    workdir = os.path.abspath(args.workdir)
+    os.makedirs(workdir, exist_ok=True)
+    record = {"args": vars(args), "started": time.strftime("%Y-%m-%d %H:%M:%S"), "runs": []}
+    t_start = time.time()
+    if warm and not os.path.isdir(init):
+        print("warm start ...", flush=True)
+        rc, wall = _run(warm, os.path.join(workdir, "warmstart", "run.log"))
+        record["warmstart"] = {"cmd": shlex.join(warm), "rc": rc, "wall_s": wall}
+        if rc != 0 or not os.path.isdir(init):
+            print(f"error: the warm start failed (exit {rc}); see {workdir}/warmstart/run.log", file=sys.stderr)
+            return 1
+    for i, (label, seed, wd, cmd) in enumerate(runs):
+        entry = {"label": label, "seed": seed, "workdir": wd, "cmd": shlex.join(cmd)}
+        if os.path.exists(os.path.join(wd, DONE)):
+            entry.update(json.load(open(os.path.join(wd, DONE))), skipped=True)
+            print(f"[{i + 1}/{len(runs)}] {label} seed {seed}: done before, skipped", flush=True)
+        else:
+            print(f"[{i + 1}/{len(runs)}] {label} seed {seed} ...", end=" ", flush=True)
+            rc, wall = _run(cmd, os.path.join(wd, "run.log"))
+            entry.update(rc=rc, wall_s=wall)
+            print(f"exit {rc}, {wall / 60:.1f} min", flush=True)
+            if rc == 0:
+                with open(os.path.join(wd, DONE), "w") as f:
+                    json.dump({"rc": rc, "wall_s": wall}, f)
+        record["runs"].append(entry)
+        _write_json(os.path.join(workdir, "sweep.json"), record)
+    ok = [r["workdir"] for r in record["runs"] if r.get("rc") == 0]
+    failed = [f"{r['label']}/seed{r['seed']}" for r in record["runs"] if r.get("rc") != 0]
+    fit = None
+    if ok:
+        cmd = fit_cmd(args, ok)
+        rc, wall = _run(cmd, os.path.join(workdir, "fit", "fit.log"))
+        record["fit"] = {"cmd": shlex.join(cmd), "rc": rc, "wall_s": wall}
+        fit_path = os.path.join(workdir, "fit", "fit.json")
+        fit = json.load(open(fit_path)) if os.path.exists(fit_path) else None
+    record["wall_s"] = time.time() - t_start
+    record["run_wall_s"] = sum(r.get("wall_s", 0.0) for r in record["runs"])
+    _write_json(os.path.join(workdir, "sweep.json"), record)
+    runs_info = [dict(r, metrics=_run_summary(r["workdir"])) for r in record["runs"] if r.get("rc") == 0]
+    write_curves(runs_info, args.axis, os.path.join(workdir, "curves.png"))
+    text = comparison_markdown(fit, runs_info, failed, record, args)
+    with open(os.path.join(workdir, "comparison.md"), "w") as f:
+        f.write(text)
+    print(text)
+    print(f"wrote {os.path.join(workdir, 'comparison.md')}")
+    return 1 if failed else 0
+
+
+def _write_json(path, obj):
+    with open(path + ".tmp", "w") as f:
+        json.dump(obj, f, indent=1)
+    os.replace(path + ".tmp", path)
+
+
+_AXIS_KEY = {"flops": ("compute_flops", 1.0), "accel_hours": ("accel_seconds", 1 / 3600), "steps": ("step", 1.0)}
+
+
+def _run_summary(workdir):
+    """Eval curve and training-health averages of one run's metrics.jsonl."""
+    rows = [json.loads(line) for line in open(os.path.join(workdir, "metrics.jsonl")) if line.strip()]
+    evals = [r for r in rows if "eval/pass_rate" in r]
+    train = [r for r in rows if "loss" in r]
+
+    def mean(key):
+        vals = [r[key] for r in train if key in r and isinstance(r[key], (int, float))]
+        return sum(vals) / len(vals) if vals else math.nan
+
+    return {"evals": evals, "final_pass_rate": evals[-1]["eval/pass_rate"] if evals else math.nan,
+            "initial_pass_rate": evals[0]["eval/pass_rate"] if evals else math.nan,
+            "steps": train[-1]["step"] if train else 0, "samples": train[-1].get("samples", 0) if train else 0,
+            "truncation_rate": mean("truncation_rate"), "interruption_rate": mean("interruption_rate"),
+            "rho_abs_dev_first_mb": mean("rho_abs_dev_first_mb"), "keep_frac": mean("keep_frac"),
+            "npr_removed": train[-1].get("npr/removed", 0.0) if train else 0.0}
+
+
+def write_curves(runs_info, axis, path):
+    """Held-out pass rate against compute: every seed thin, the recipe's seed mean thick."""
+    if not runs_info:
+        return
+    from matplotlib.figure import Figure
+
+    key, scale = _AXIS_KEY[axis]
+    fig = Figure(figsize=(7, 4.5))
+    ax = fig.add_subplot(1, 1, 1)
+    colors = {}
+    for r in runs_info:
+        c = colors.setdefault(r["label"], f"C{len(colors) % 10}")
+        ev = r["metrics"]["evals"]
+        ax.plot([e.get(key, 0) * scale for e in ev], [e["eval/pass_rate"] for e in ev], color=c, lw=0.7, alpha=0.5)
+    for label, c in colors.items():
+        curves = [r["metrics"]["evals"] for r in runs_info if r["label"] == label]
+        n = min(len(e) for e in curves)
+        xs = [sum(e[i].get(key, 0) for e in curves) / len(curves) * scale for i in range(n)]
+        ys = [sum(e[i]["eval/pass_rate"] for e in curves) / len(curves) for i in range(n)]
+        ax.plot(xs, ys, color=c, lw=2, label=f"{label} ({len(curves)} seeds)")
+    ax.set_xlabel({"flops": "training compute (FLOPs)", "accel_hours": "accelerator-hours", "steps": "steps"}[axis])
+    ax.set_ylabel("held-out pass rate")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.savefig(path, dpi=120, bbox_inches="tight")
+
+
+def _fmt(v, spec=".3f"):
+    return "-" if v is None or (isinstance(v, float) and not math.isfinite(v)) else format(v, spec)
+
+
+def _interval(ci, key, spec):
+    if not ci or key not in ci or ci[key] is None:
+        return ""
+    lo, hi = ci[key]
+    return f" [{_fmt(lo, spec)}, {_fmt(hi, spec)}]"
+
+
+def comparison_markdown(fit, runs_info, failed, record, args):
+    labels = list(dict.fromkeys(r["label"] for r in runs_info))
+    lines = ["# Recipe comparison", "",
+             f"Config `{args.config}`, recipes `{args.recipes}`, {args.seeds} seed(s), extra `{args.extra or '-'}`; "
+             f"fit on the `{args.axis}` axis with `launch/fit.py` (seeds of a recipe fitted together; 95% intervals "
+             f"from the bootstrap). The runs took {record['run_wall_s'] / 60:.1f} min in all (this sweep invocation "
+             f"{record['wall_s'] / 60:.1f} min, warm start and fit included) on {os.cpu_count()} CPU core(s).", ""]
+    recipes = (fit or {}).get("recipes", {})
+    lines += ["| recipe | A (ceiling) | B (efficiency) | C_mid | R0 | fit points | note |",
+              "|---|---|---|---|---|---|---|"]
+    for label in labels:
+        s = recipes.get(label)
+        if s is None or s.get("status", "ok") != "ok":
+            msg = (s or {}).get("message", "no fit") if s else "no fit"
+            lines.append(f"| {label} | - | - | - | - | - | fit failed: {msg} |")
+            continue
+        ci = s.get("ci", {})
+        a = (f"{_fmt(s['A'])}{_interval(ci, 'A', '.3f')}" if s.get("identifiable")
+             else f">= {_fmt(s.get('A_lower_bound'))} (fit {_fmt(s.get('A_fit'))}, not identifiable)")
+        note = "; ".join(m for m in s.get("messages", [])[:2])
+        lines.append(f"| {label} | {a} | {_fmt(s['B'], '.2f')}{_interval(ci, 'B', '.2f')} | "
+                     f"{_fmt(s['C_mid'], '.3g')}{_interval(ci, 'C_mid', '.3g')} | {_fmt(s.get('R0'))} | "
+                     f"{s['window']['n_points']} | {note} |")
+    lines += ["", "Per run (means over seeds; rates averaged over the training steps):", "",
+              "| recipe | seeds | steps | samples | pass rate start -> end | truncation | interruption | "
+              "mean abs(rho-1) first mb | kept prompts | NPR removed | wall min/run |",
+              "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for label in labels:
+        rs = [r for r in runs_info if r["label"] == label]
+        m = [r["metrics"] for r in rs]
+
+        def avg(k, rs=rs, m=m):
+            vals = [x[k] for x in m if isinstance(x[k], (int, float)) and math.isfinite(x[k])]
+            return sum(vals) / len(vals) if vals else math.nan
+
+        ends = ", ".join(_fmt(x["final_pass_rate"]) for x in m)
+        walls = [r.get("wall_s", math.nan) for r in rs if not r.get("skipped")] or [r.get("wall_s", math.nan) for r in rs]
+        lines.append(f"| {label} | {len(rs)} | {int(avg('steps'))} | {int(avg('samples'))} | "
+                     f"{_fmt(avg('initial_pass_rate'))} -> {_fmt(avg('final_pass_rate'))} ({ends}) | "
+                     f"{_fmt(avg('truncation_rate'))} | {_fmt(avg('interruption_rate'))} | "
+                     f"{_fmt(avg('rho_abs_dev_first_mb'), '.2e')} | {_fmt(avg('keep_frac'), '.2f')} | "
+                     f"{_fmt(avg('npr_removed'), '.0f')} | {_fmt(sum(walls) / len(walls) / 60, '.1f')} |")
+    cmp_ = (fit or {}).get("comparison")
+    if cmp_:
+        lines += ["", "Ranking (the paper's rule: A within the 0.02 margin -> refit with the mean A and compare B): "
+                  + ", ".join(f"{r['rank']}. {r['name']} ({r['wins']} wins)" for r in cmp_["ranking"]), ""]
+        for p in cmp_["pairs"]:
+            warn = f" ({p['warning']})" if p.get("warning") else ""
+            lines.append(f"- {p['a']} vs {p['b']}: {p['winner']} ({p['rule']}; P(A_{p['a']} > A_{p['b']}) = "
+                         f"{p['p_A_greater']:.2f}){warn}")
+    if failed:
+        lines += ["", f"Failed runs (see their run.log): {', '.join(failed)}"]
+    lines += ["", "Figures: `curves.png` (raw curves), `fit/fit_<recipe>.png` (fit, band, extrapolation), "
+              "`fit/asymptotes.png`, `fit/heatmap.png`; numbers: `fit/fit.json`, `sweep.json`.", ""]
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

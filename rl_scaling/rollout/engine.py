@@ -1,0 +1,542 @@
+"""JetStream `engine_api.Engine` for the Flax policy, and the loop that drives it.
+
+Engine (the JetStream 0.2.2 API, one KV-cache row per slot):
+  prefill(params=holder, padded_tokens[Pb], true_length) -> Prefix    one prompt
+  insert(prefix, decode_state, slot) -> decode_state                    copy its row in
+  generate(holder, decode_state) -> (decode_state, ResultTokens)        one token per slot
+
+Prefill writes the KV cache of all prompt tokens but the last; that last token is
+fed by the first `generate` of the slot. So every sampled token, the first included,
+comes from one forward pass with one set of weights, and its log-prob (float32
+logits, after temperature) and the version of those weights are exact.
+`ResultTokens.data` has one row per slot and the columns
+  token | valid | length | logprob (float32 bits) | policy version | done (1 length, 2 stop) | forced
+(the stock orchestrator reads only the first three; the rest ride along).
+
+Forced interruption (ScaleRL's length control, as rollout/sampler.py does it): with
+`interrupt=Interrupt(phrase, lo, hi, answer_budget, think_end_id)`, `insert` draws each
+slot's thinking budget uniformly from [lo, hi]; a slot still thinking at its budget gets
+the phrase injected one token per step (marked `forced`, log-prob 0, never trained on),
+then `answer_budget` sampled tokens to answer.
+
+Weights: `params` passed to prefill/generate may be a `WeightHolder`; the engine reads
+it on every call, so `holder.set(new_params, version)` swaps the weights between two
+generate steps while sequences are in flight (they keep their KV cache). Same shapes
+and shardings -> no recompilation.
+
+Why our own orchestrator loop (`Generator`) instead of JetStream's `Driver`: the Driver
+returns only token ids and text (no log-probs, no versions), SIGKILLs the whole process
+when one of its threads raises (the trainer could not report the fault nor keep its
+checkpoint clean), hangs the interpreter at exit without `stop()`, logs every step,
+and runs four threads per engine that contend for the GIL with the trainer on small
+hosts. `Generator` is one thread calling the same Engine API (prefill once per prompt
+group, insert it into G slots, generate), returns whole groups with their log-probs and
+versions, and stores any exception for the trainer to raise.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import functools
+import logging
+import queue
+import threading
+import time
+import traceback
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import linen as nn
+
+from rl_scaling import sharding
+from rl_scaling.policy import model as model_lib
+from rl_scaling.rollout.jetstream_compat import engine_api, tokenizer_api, tokenizer_pb2
+
+log = logging.getLogger(__name__)
+
+COLUMNS = ("token", "valid", "length", "logprob", "version", "done", "forced")
+
+
+class WeightHolder:
+    """The engine's current weights and their policy version, swapped atomically.
+
+    `set` copies (and reshards) the given params onto the engine's shardings, so the
+    caller may donate or overwrite its own arrays right after."""
+
+    def __init__(self, shardings=None, copy_fn=None):
+        self.shardings = shardings
+        # device_put may hand back the trainer's own buffer (a replicated leaf onto one of its
+        # devices) even with may_alias=False; a jitted copy never aliases a non-donated input.
+        self._copy = copy_fn or jax.jit(_copy_tree, out_shardings=shardings)
+        self._lock = threading.Lock()
+        self._changed = threading.Condition(self._lock)
+        self._params, self._version = None, -1
+
+    def set(self, params, version: int) -> None:
+        placed = self._copy(jax.device_put(params, self.shardings)) if self.shardings is not None else params
+        jax.block_until_ready(placed)  # the trainer donates its copy on the next step
+        with self._changed:
+            if version < self._version:  # a new trainer session (e.g. resumed from an older checkpoint)
+                log.warning("weight version went back from %d to %d", self._version, version)
+            self._params, self._version = placed, int(version)
+            self._changed.notify_all()
+
+    def get(self):
+        with self._lock:
+            if self._params is None:
+                raise RuntimeError("no weights have been pushed to the rollout engine yet")
+            return self._params, self._version
+
+    @property
+    def version(self) -> int:
+        with self._lock:
+            return self._version
+
+
+_JITTED: dict = {}
+
+
+def _copy_tree(tree):
+    return jax.tree.map(jnp.copy, tree)
+
+
+def param_shardings(cfg: model_lib.ModelConfig, mesh):
+    boxed = jax.eval_shape(functools.partial(model_lib.init_params, cfg), jax.random.key(0))
+    return sharding.tree_shardings(mesh, nn.get_partition_spec(boxed))
+
+
+class _CharTokenizer(tokenizer_api.Tokenizer):
+    """JetStream's tokenizer interface over the project's tokenizers (for the stock Driver)."""
+
+    def __init__(self, tok):
+        self.tok = tok
+
+    def encode(self, s, **kwargs):
+        ids = np.asarray(self.tok.encode(s), np.int32)
+        from rl_scaling.rollout.jetstream_compat import token_utils
+
+        return token_utils.pad_tokens(ids, self.bos_id, self.pad_id, is_bos=False,
+                                      prefill_lengths=kwargs.get("prefill_lengths"),
+                                      max_prefill_length=kwargs.get("max_prefill_length"),
+                                      jax_padding=kwargs.get("jax_padding", True))
+
+    def decode(self, token_ids, **kwargs):
+        return self.tok.decode(token_ids)
+
+    pad_id = property(lambda self: self.tok.pad_id)
+    eos_id = property(lambda self: self.tok.eos_id)
+    bos_id = property(lambda self: self.tok.bos_id)
+
+
+class Interrupt(NamedTuple):
+    phrase: tuple  # token ids injected when the thinking budget runs out (ends with </think>)
+    lo: int  # thinking budget ~ U{lo..hi} generated tokens
+    hi: int
+    answer_budget: int  # sampled tokens allowed after the phrase
+    think_end_id: int
+
+
+class PolicyEngine(engine_api.Engine):
+    def __init__(self, cfg: model_lib.ModelConfig, mesh, *, slots: int, max_prefill_length: int,
+                 max_new_tokens: int, temperature: float = 1.0, stop_tokens=(), pad_id: int = 0,
+                 seed: int = 0, tokenizer=None, interrupt: Interrupt | None = None):
+        self.cfg, self._mesh, self.slots = cfg, mesh, int(slots)
+        self._max_prefill_length, self.max_new_tokens = int(max_prefill_length), int(max_new_tokens)
+        self.cache_length = self._max_prefill_length + self.max_new_tokens
+        self.temperature, self.pad_id, self.seed = float(temperature), int(pad_id), int(seed)
+        self.stop_tokens = tuple(int(t) for t in stop_tokens)
+        self.tokenizer = tokenizer
+        self.interrupt = Interrupt(tuple(int(t) for t in interrupt.phrase), *map(int, interrupt[1:])) if interrupt else None
+        self.param_shardings = param_shardings(cfg, mesh)
+        ls = functools.partial(sharding.logical_sharding, mesh)
+        cache_sh = {"k": ls(("layers", "batch", "cache_length", "kv_heads", "head_dim")),
+                    "valid": ls(("batch", "cache_length")), "pos": ls(("batch", "cache_length")),
+                    "index": ls(("batch",))}
+        cache_sh["v"] = cache_sh["k"]
+        row = ls(("batch",))
+        self.state_shardings = {"cache": cache_sh, "step": sharding.replicated(mesh),
+                                **{k: row for k in ("token", "pos_next", "active", "length", "budget", "think_ended",
+                                                    "forced_left", "answer_left")}}
+        # Engines with the same static settings share compiled functions (bench and tests
+        # build several; a weight push never compiles anything).
+        key = (cfg, mesh, self.slots, self._max_prefill_length, self.max_new_tokens, self.temperature, self.stop_tokens,
+               self.interrupt)
+        if key not in _JITTED:
+            rep = sharding.replicated(mesh)
+            _JITTED[key] = (jax.jit(self._prefill_impl, out_shardings=rep),
+                            jax.jit(self._insert_impl, out_shardings=self.state_shardings, donate_argnums=1),
+                            jax.jit(self._generate_impl, out_shardings=(self.state_shardings, rep), donate_argnums=1),
+                            jax.jit(_copy_tree, out_shardings=self.param_shardings))
+        self._prefill_fn, self._insert_fn, self._generate_fn, self._copy_fn = _JITTED[key]
+
+    # ---- jitted bodies -------------------------------------------------------------
+    def _apply(self, params, *args):
+        return model_lib.Decoder(self.cfg).apply({"params": params}, *args)
+
+    def _prefill_impl(self, params, tokens_1P, true_length):
+        P = tokens_1P.shape[1]
+        n = true_length - 1  # the last prompt token is fed by the first generate step
+        mask_1P = (jnp.arange(P) < n)[None]
+        cache = model_lib.init_cache(self.cfg, 1, self.cache_length)
+        _, cache = self._apply(params, tokens_1P, jnp.arange(P)[None], mask_1P, cache)
+        cache["index"] = jnp.full((1,), n, jnp.int32)
+        return {"cache": cache, "token": tokens_1P[0, n], "pos_next": n.astype(jnp.int32)}
+
+    def _insert_impl(self, prefix, state, slot, seed):
+        def put(dst, src, axis):
+            return jax.lax.dynamic_update_slice_in_dim(dst, src.astype(dst.dtype), slot, axis)
+
+        c, p = state["cache"], prefix["cache"]
+        cache = {"k": put(c["k"], p["k"], 1), "v": put(c["v"], p["v"], 1), "valid": put(c["valid"], p["valid"], 0),
+                 "pos": put(c["pos"], p["pos"], 0), "index": put(c["index"], p["index"], 0)}
+        if self.interrupt:
+            key = jax.random.fold_in(jax.random.fold_in(jax.random.key(seed), state["step"]), slot + (1 << 20))
+            budget = jax.random.randint(key, (), self.interrupt.lo, self.interrupt.hi + 1)
+        else:
+            budget = self.max_new_tokens + 1
+        new = dict(state, cache=cache)
+        for name, value in (("token", prefix["token"]), ("pos_next", prefix["pos_next"]), ("active", True),
+                            ("length", 0), ("budget", budget), ("think_ended", False), ("forced_left", 0),
+                            ("answer_left", -1)):
+            new[name] = state[name].at[slot].set(value)
+        return new
+
+    def _generate_impl(self, params, state, version, seed):
+        active_S = state["active"]
+        logits_S1V, cache = self._apply(params, state["token"][:, None], state["pos_next"][:, None],
+                                        active_S[:, None], state["cache"])
+        scaled_SV = logits_S1V[:, 0].astype(jnp.float32) / self.temperature
+        key = jax.random.fold_in(jax.random.key(seed), state["step"])
+        token_S = jax.random.categorical(key, scaled_SV).astype(jnp.int32)
+        forced_left, answer_left, think_ended = state["forced_left"], state["answer_left"], state["think_ended"]
+        forcing_S = jnp.zeros_like(active_S)
+        if self.interrupt:  # the same rules as sampler.sample, per slot (t = tokens this slot generated so far)
+            it = self.interrupt
+            phrase = jnp.asarray(it.phrase, jnp.int32)
+            start = active_S & ~think_ended & (forced_left == 0) & (answer_left < 0) & (state["length"] >= state["budget"])
+            forced_left = jnp.where(start, len(it.phrase), forced_left)
+            forcing_S = active_S & (forced_left > 0)
+            token_S = jnp.where(forcing_S, phrase[jnp.clip(len(it.phrase) - forced_left, 0, len(it.phrase) - 1)], token_S)
+            forced_left = jnp.where(forcing_S, forced_left - 1, forced_left)
+            interrupted_now = forcing_S & (forced_left == 0)
+            answer_left = jnp.where(interrupted_now, it.answer_budget, answer_left)
+            think_ended = think_ended | (active_S & (token_S == it.think_end_id))
+        logp_S = jnp.take_along_axis(jax.nn.log_softmax(scaled_SV), token_S[:, None], axis=1)[:, 0]
+        logp_S = jnp.where(forcing_S, 0.0, logp_S)
+        length_S = state["length"] + active_S.astype(jnp.int32)
+        stop_ids = jnp.asarray(self.stop_tokens or (-1,), jnp.int32)
+        stopped_S = jnp.any(token_S[:, None] == stop_ids[None], axis=1) & ~forcing_S
+        if self.interrupt:  # after an interruption the answer has its own budget of sampled tokens
+            answering = (answer_left >= 0) & ~interrupted_now & active_S
+            answer_left = jnp.where(answering, answer_left - 1, answer_left)
+            stopped_S |= answering & (answer_left == 0)
+            stopped_S |= interrupted_now & (self.interrupt.answer_budget == 0)
+        done_S = active_S & (stopped_S | (length_S >= self.max_new_tokens))
+        data = jnp.stack([token_S, active_S.astype(jnp.int32), length_S,
+                          jax.lax.bitcast_convert_type(logp_S, jnp.int32),
+                          jnp.broadcast_to(version, token_S.shape).astype(jnp.int32),
+                          done_S.astype(jnp.int32) * (1 + (stopped_S & active_S).astype(jnp.int32)),
+                          (forcing_S & active_S).astype(jnp.int32)], axis=1)
+        new_state = {"cache": cache, "token": jnp.where(active_S, token_S, state["token"]),
+                     "pos_next": state["pos_next"] + active_S.astype(jnp.int32), "active": active_S & ~done_S,
+                     "length": length_S, "step": state["step"] + 1, "budget": state["budget"],
+                     "think_ended": think_ended, "forced_left": forced_left, "answer_left": answer_left}
+        return new_state, data
+
+    # ---- engine_api.Engine -----------------------------------------------------------
+    @staticmethod
+    def _resolve(params):
+        if isinstance(params, WeightHolder):
+            return params.get()
+        return params, 0
+
+    def prefill(self, *, params, existing_prefix=None, padded_tokens, true_length):
+        if existing_prefix is not None:
+            raise NotImplementedError("prefill on an existing prefix (multi-turn) is not supported")
+        padded = np.asarray(padded_tokens, np.int32).reshape(-1)
+        if not 1 <= true_length <= padded.shape[0] or padded.shape[0] != self._max_prefill_length:
+            raise ValueError(f"prefill: true_length={true_length} with {padded.shape[0]} padded tokens; the engine "
+                             f"pads prompts to max_prefill_length={self._max_prefill_length}")
+        p, _ = self._resolve(params)
+        return self._prefill_fn(p, padded[None], np.int32(true_length))
+
+    def insert(self, prefix, decode_state, slot):
+        return self._insert_fn(prefix, decode_state, np.int32(slot), np.int32(self.seed))
+
+    def generate(self, params, decode_state):
+        p, version = self._resolve(params)
+        decode_state, data = self._generate_fn(p, decode_state, np.int32(version), np.int32(self.seed))
+        return decode_state, engine_api.ResultTokens(data, (0, 1), (1, 2), (2, 3), 1)
+
+    def init_decode_state(self, *args, **kwargs):
+        S = self.slots
+        state = {"cache": model_lib.init_cache(self.cfg, S, self.cache_length),
+                 "token": jnp.zeros((S,), jnp.int32), "pos_next": jnp.zeros((S,), jnp.int32),
+                 "active": jnp.zeros((S,), bool), "length": jnp.zeros((S,), jnp.int32),
+                 "step": jnp.zeros((), jnp.int32), "budget": jnp.zeros((S,), jnp.int32),
+                 "think_ended": jnp.zeros((S,), bool), "forced_left": jnp.zeros((S,), jnp.int32),
+                 "answer_left": jnp.full((S,), -1, jnp.int32)}
+        return jax.device_put(state, self.state_shardings)
+
+    def load_params(self, *args, **kwargs):
+        return WeightHolder(self.param_shardings, self._copy_fn)
+
+    def get_prefix_destination_sharding(self):
+        return sharding.replicated(self._mesh)
+
+    def get_tokenizer(self):
+        return tokenizer_pb2.TokenizerParameters(path="rl_scaling:task_tokenizer")
+
+    def build_tokenizer(self, metadata):
+        if self.tokenizer is None:
+            raise ValueError("this engine was built without a tokenizer")
+        return _CharTokenizer(self.tokenizer)
+
+    @property
+    def max_concurrent_decodes(self) -> int:
+        return self.slots
+
+    @property
+    def samples_per_slot(self) -> int:
+        return 1
+
+    @property
+    def max_prefill_length(self) -> int:
+        return self._max_prefill_length
+
+    @property
+    def mesh(self):
+        return self._mesh
+
+    @property
+    def colocated_cpus(self):
+        return None
+
+    def compile_counts(self) -> dict:
+        """Compiled variants of each jitted entry point (a weight push must not add any)."""
+        return {"prefill": self._prefill_fn._cache_size(), "insert": self._insert_fn._cache_size(),
+                "generate": self._generate_fn._cache_size(), "weight_copy": self._copy_fn._cache_size()}
+
+
+def unpack(data):
+    """Host view of ResultTokens.data: dict of per-slot columns (logprob as float32)."""
+    data = np.asarray(data)
+    out = {name: data[:, i] for i, name in enumerate(COLUMNS)}
+    out["logprob"] = np.ascontiguousarray(out["logprob"]).view(np.float32)
+    out["stopped"] = out["done"] == 2  # done: 0 running, 1 out of budget ("length"), 2 stopped ("stop")
+    for name in ("valid", "done", "forced"):
+        out[name] = out[name].astype(bool)
+    return out
+
+
+# ---------------------------------------------------------------------------------------
+# The orchestrator loop: prompt groups in, finished groups (tokens, log-probs, versions) out.
+
+
+@dataclasses.dataclass
+class GroupRequest:
+    group_id: int
+    prompt: np.ndarray  # int32 prompt tokens, no padding (BOS included if the task uses one)
+    num_samples: int
+    min_version: int = 0  # do not start before the engine has weights at least this new
+    epoch: int = 0  # set by Generator.submit; results of an earlier epoch (before reset()) are dropped
+
+
+@dataclasses.dataclass
+class GroupResult:
+    group_id: int
+    prompt: np.ndarray
+    tokens: np.ndarray  # [G, T] int32, pad after each sample's end
+    logprobs: np.ndarray  # [G, T] float32, 0 after the end
+    versions: np.ndarray  # [G, T] int32 policy version of each token, -1 after the end
+    lengths: np.ndarray  # [G] generated tokens, stop token included
+    stopped: np.ndarray  # [G] True: ended on a stop token (or its answer budget); False: ran out ("length")
+    forced: np.ndarray  # [G, T] True where a token was injected (forced interruption), not sampled
+
+    @property
+    def interrupted(self) -> np.ndarray:  # [G] the thinking budget was hit and the phrase injected
+        return self.forced.any(axis=1)
+
+    @property
+    def v_first(self) -> int:  # oldest policy that produced a first token of the group
+        return int(self.versions[:, 0].min())
+
+    @property
+    def v_last(self) -> int:  # newest policy that produced a last token of the group
+        return int(self.versions[np.arange(len(self.lengths)), self.lengths - 1].max())
+
+    @property
+    def finish_reasons(self) -> list[str]:
+        return ["stop" if s else "length" for s in self.stopped]
+
+
+class _Group:
+    def __init__(self, req: GroupRequest, T: int, pad_id: int):
+        G = req.num_samples
+        self.req, self.done = req, 0
+        self.tokens = np.full((G, T), pad_id, np.int32)
+        self.logprobs = np.zeros((G, T), np.float32)
+        self.versions = np.full((G, T), -1, np.int32)
+        self.lengths = np.zeros((G,), np.int32)
+        self.stopped = np.zeros((G,), bool)
+        self.forced = np.zeros((G, T), bool)
+
+    def result(self) -> GroupResult:
+        return GroupResult(self.req.group_id, self.req.prompt, self.tokens, self.logprobs, self.versions,
+                           self.lengths, self.stopped, self.forced)
+
+
+class Generator:
+    """One thread that keeps the engine's slots full: pending groups -> prefill once ->
+    insert into G slots -> generate steps -> finished groups on `results` (a queue).
+
+    Never raises into the caller's thread: an exception is kept in `error` (with its
+    traceback text) and the thread ends; `check()` re-raises it."""
+
+    def __init__(self, engine: PolicyEngine, holder: WeightHolder, name: str = "rollout-generator"):
+        self.engine, self.holder = engine, holder
+        self.results: queue.Queue[GroupResult] = queue.Queue()
+        self._pending: collections.deque[GroupRequest] = collections.deque()
+        self._cv = threading.Condition()
+        self._epoch = 0
+        self._stop = threading.Event()
+        self.error: BaseException | None = None
+        self.error_text = ""
+        self.busy_s = self.idle_s = 0.0
+        self.steps = self.slot_steps = self.tokens = 0
+        self.started_at = None
+        self.heartbeat = time.monotonic()  # last time the loop went round (busy or idle)
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+
+    def start(self):
+        self.started_at = time.perf_counter()
+        self._thread.start()
+        return self
+
+    def submit(self, requests) -> None:
+        with self._cv:
+            for r in requests:
+                r.epoch = self._epoch
+            self._pending.extend(requests)
+            self._cv.notify_all()
+
+    def reset(self) -> None:
+        """Forget all pending work; groups in flight finish but are never returned."""
+        with self._cv:
+            self._epoch += 1
+            self._pending.clear()
+            while True:
+                try:
+                    self.results.get_nowait()
+                except queue.Empty:
+                    break
+
+    def pending(self) -> int:
+        with self._cv:
+            return len(self._pending)
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive()
+
+    def check(self) -> None:
+        if self.error is not None:
+            raise RuntimeError(f"rollout generator failed: {type(self.error).__name__}: {self.error}\n{self.error_text}")
+        if self.started_at is not None and not self._thread.is_alive() and not self._stop.is_set():
+            raise RuntimeError("rollout generator thread exited unexpectedly")
+
+    def stop(self, timeout: float = 30.0) -> None:
+        self._stop.set()
+        with self._cv:
+            self._cv.notify_all()
+        if self._thread.is_alive() and threading.current_thread() is not self._thread:
+            self._thread.join(timeout)
+            if self._thread.is_alive():
+                log.warning("rollout generator did not stop within %.0f s", timeout)
+
+    def stats(self) -> dict:
+        return {"busy_s": self.busy_s, "idle_s": self.idle_s, "steps": self.steps, "slot_steps": self.slot_steps,
+                "tokens": self.tokens, "slots": self.engine.slots, "version": self.holder.version,
+                "stalled_s": time.monotonic() - self.heartbeat}
+
+    def _next_request(self):
+        with self._cv:
+            version = self.holder.version
+            if self._pending and self._pending[0].min_version <= version:
+                return self._pending.popleft()
+        return None
+
+    def _run(self):
+        try:
+            self._loop()
+        except BaseException as e:  # noqa: BLE001 - reported to the trainer through check()
+            self.error, self.error_text = e, traceback.format_exc()
+            log.error("rollout generator failed:\n%s", self.error_text)
+
+    def _loop(self):
+        eng, S, T = self.engine, self.engine.slots, self.engine.max_new_tokens
+        Pb = eng.max_prefill_length
+        state = eng.init_decode_state()
+        free = list(range(S - 1, -1, -1))
+        owner: list = [None] * S
+        tok_h = np.full((S, T), eng.pad_id, np.int32)
+        lp_h = np.zeros((S, T), np.float32)
+        ver_h = np.full((S, T), -1, np.int32)
+        forced_h = np.zeros((S, T), bool)
+        current = None  # [_Group, prefix, next sample index]
+        while not self._stop.is_set():
+            t0 = time.perf_counter()
+            self.heartbeat = time.monotonic()
+            while free:  # fill free slots, prefilling each prompt group once
+                if current is None:
+                    req = self._next_request()
+                    if req is None:
+                        break
+                    prompt = np.asarray(req.prompt, np.int32)
+                    if not 1 <= len(prompt) <= Pb:
+                        raise ValueError(f"group {req.group_id}: prompt of {len(prompt)} tokens; the engine takes 1..{Pb}")
+                    padded = np.full((Pb,), eng.pad_id, np.int32)
+                    padded[: len(prompt)] = prompt
+                    prefix = eng.prefill(params=self.holder, padded_tokens=padded, true_length=len(prompt))
+                    current = [_Group(req, T, eng.pad_id), prefix, 0]
+                slot = free.pop()
+                state = eng.insert(current[1], state, slot)
+                owner[slot] = (current[0], current[2])
+                current[2] += 1
+                if current[2] == current[0].req.num_samples:
+                    current = None
+            n_active = S - len(free)
+            if n_active == 0:
+                with self._cv:
+                    if not self._stop.is_set():
+                        self._cv.wait(0.05)
+                self.idle_s += time.perf_counter() - t0
+                continue
+            state, result = eng.generate(self.holder, state)
+            cols = unpack(result.data)
+            valid = np.nonzero(cols["valid"])[0]
+            pos = cols["length"][valid] - 1
+            tok_h[valid, pos] = cols["token"][valid]
+            lp_h[valid, pos] = cols["logprob"][valid]
+            ver_h[valid, pos] = cols["version"][valid]
+            forced_h[valid, pos] = cols["forced"][valid]
+            for s in np.nonzero(cols["done"])[0]:
+                group, j = owner[s]
+                n = int(cols["length"][s])
+                group.tokens[j], group.logprobs[j], group.versions[j] = tok_h[s], lp_h[s], ver_h[s]
+                group.forced[j] = forced_h[s]
+                group.lengths[j] = n
+                group.stopped[j] = cols["stopped"][s]
+                tok_h[s], lp_h[s], ver_h[s], forced_h[s] = eng.pad_id, 0.0, -1, False
+                owner[s] = None
+                free.append(s)
+                group.done += 1
+                if group.done == group.req.num_samples and group.req.epoch == self._epoch:
+                    self.results.put(group.result())
+            self.steps += 1
+            self.slot_steps += n_active
+            self.tokens += len(valid)
+            self.busy_s += time.perf_counter() - t0

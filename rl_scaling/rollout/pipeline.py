@@ -1,0 +1,397 @@
+"""PipelineRL-k: rollouts generated continuously, trained on as they arrive.
+
+    trainer (main thread)                              generator (engine.Generator thread,
+      next_batch():                                    in this process or in launch/serve.py)
+        top up prompt groups (bounded: queue_size) --->  prefill once per group, G slots,
+        <--- finished groups, every token tagged          generate with whatever weights
+             with its policy version + log-prob           the holder has at each step
+        select P groups, staleness <= k
+      rl_step(...)
+      push_weights(params, version) -------------------> swapped between two generate steps;
+                                                         in-flight sequences keep their KV cache
+
+Versions: the weights after `n` trainer steps are version n. A group's staleness when
+the trainer consumes it is `trainer version - v_first` (v_first: the oldest version that
+produced one of its first tokens); it never exceeds k = rollout.max_staleness:
+  stale_policy="wait": groups are consumed in submission order (the trainer waits for the
+      oldest), new prompts are admitted only at a step start and at most (k+1)*P groups
+      are outstanding, so no group can get older than k: nothing is dropped.
+  stale_policy="drop": new prompts are admitted whenever fewer than queue_size groups are
+      outstanding; ready groups are consumed oldest-first and a group older than k is
+      dropped (counted in rollout/dropped_groups) -- the trainer then waits for fresh data.
+A group (the G samples of one prompt) always arrives whole, so advantages are per prompt;
+a step trains on exactly P whole groups or raises: never on partial data.
+
+Topologies: the engine in this process (`EmbeddedBackend`; with rollout.engine_devices=n
+it gets the last n devices to itself and the trainer's mesh the rest, otherwise it shares
+the trainer's first device and its computations queue behind the trainer's), or in
+`launch/serve.py` on another process or slice (`server.RemoteBackend`, rollout.server).
+
+Faults: every wait polls the backend's health at least every 0.1 s; a dead generator
+thread, engine or server raises `RolloutError` naming it (a remote backend first tries
+to reconnect for rollout.reconnect_s); a generator alive but stuck for `stall_s` raises
+too. `close()` stops the threads; it also runs at interpreter exit (Ctrl-C included)
+for pipelines left open.
+
+Resume: the prompt stream is pulled ahead of training; groups in flight when a checkpoint
+is taken are not regenerated after a resume (off-policy data, skipped prompts).
+"""
+
+from __future__ import annotations
+
+import atexit
+import collections
+import logging
+import queue
+import threading
+import time
+import weakref
+from typing import NamedTuple
+
+import jax
+import numpy as np
+
+from rl_scaling import sharding
+from rl_scaling.rollout import sampler
+
+log = logging.getLogger(__name__)
+
+MODES = ("sync", "pipeline")
+STALE_POLICIES = ("wait", "drop")
+
+
+class RolloutError(RuntimeError):
+    """The rollout generator, engine or server failed; the message says which and why."""
+
+
+class StepData(NamedTuple):
+    prompt_tokens: np.ndarray  # [P*G, max_prompt_len] left-padded, as collect.generate returns
+    prompt_mask: np.ndarray
+    out: sampler.Samples  # completions, float32 generator log-probs, lengths, truncation
+    rewards: np.ndarray  # [P*G]
+    metrics: dict  # rollout/* scalars for the metrics writer
+    sample_ids: np.ndarray  # [P*G] group_id * G + sample index: unique over a run
+    v_first: np.ndarray  # [P*G] policy version of each sample's first token
+    v_last: np.ndarray  # [P*G] policy version of each sample's last token
+    staleness: np.ndarray  # [P*G] trainer version - v_first
+
+
+class EmbeddedBackend:
+    """The engine and its generator thread in this process (the tiny run's default)."""
+
+    devices = 0  # accelerators beyond jax.devices() (the engine's are among them, already counted)
+
+    def __init__(self, engine, holder):
+        from rl_scaling.rollout import engine as engine_lib
+
+        self.engine, self.holder = engine, holder
+        self.generator = engine_lib.Generator(engine, holder).start()
+
+    def submit(self, requests):
+        self.generator.submit(requests)
+
+    def poll(self, timeout: float):
+        out = []
+        try:
+            out.append(self.generator.results.get(timeout=timeout) if timeout > 0 else self.generator.results.get_nowait())
+            while True:
+                out.append(self.generator.results.get_nowait())
+        except queue.Empty:
+            pass
+        return out
+
+    def push_weights(self, params, version: int):
+        self.holder.set(params, version)
+
+    def check(self):
+        try:
+            self.generator.check()
+        except RuntimeError as e:
+            raise RolloutError(f"embedded rollout engine: {e}") from self.generator.error
+
+    def stats(self) -> dict:
+        return self.generator.stats()
+
+    def close(self):
+        self.generator.stop()
+
+
+_OPEN: "weakref.WeakSet[Pipeline]" = weakref.WeakSet()
+
+
+def close_all():
+    for p in list(_OPEN):
+        p.close()
+
+
+atexit.register(close_all)
+
+
+class Pipeline:
+    def __init__(self, backend, task, stream, *, prompts_per_step: int, samples_per_prompt: int,
+                 max_prompt_len: int, max_new_tokens: int, max_staleness: int, stale_policy: str = "wait",
+                 queue_size: int = 0, poll_s: float = 0.1, stall_s: float = 600.0):
+        if stale_policy not in STALE_POLICIES:
+            raise ValueError(f"config.rollout.stale_policy={stale_policy!r} is not valid; choose one of {STALE_POLICIES}")
+        if max_staleness < 0:
+            raise ValueError(f"config.rollout.max_staleness must be >= 0, got {max_staleness}")
+        self.backend, self.task, self.tok, self.stream = backend, task, task.tokenizer, stream
+        self.P, self.G, self.k = prompts_per_step, samples_per_prompt, max_staleness
+        self.max_prompt_len, self.T = max_prompt_len, max_new_tokens
+        self.policy, self.poll_s, self.stall_s = stale_policy, poll_s, stall_s
+        cap = queue_size or 2 * self.P
+        if cap < self.P:
+            raise ValueError(f"config.rollout.queue_size={queue_size} must be at least prompts_per_step={self.P} (or 0: auto)")
+        if stale_policy == "wait":
+            cap = min(cap, (self.k + 1) * self.P)
+        self.capacity = cap
+        self.version = -1
+        self._problems = collections.deque()  # pulled from the stream, not yet submitted
+        self._outstanding: dict[int, object] = {}  # group id -> problem, submitted, not consumed/dropped
+        self._order = collections.deque()  # outstanding group ids in submission order
+        self._ready: dict = {}  # group id -> GroupResult
+        self._next_gid = 0
+        self.counts = collections.Counter()
+        self.staleness_hist = np.zeros(self.k + 1, np.int64)  # samples trained on, by staleness
+        self.trainer_wait_s = 0.0
+        self._t_prev = None
+        self._gen_prev = None
+        self._closed = False
+        self._lock = threading.Lock()
+        _OPEN.add(self)
+
+    @property
+    def devices(self) -> int:
+        return getattr(self.backend, "devices", 0)
+
+    # ---- weights ---------------------------------------------------------------------
+    def push_weights(self, params, version: int) -> None:
+        """After each trainer step: the generators use these weights from their next step on."""
+        self.backend.push_weights(params, int(version))
+        self.version = int(version)
+
+    # ---- prompts in ------------------------------------------------------------------
+    def _top_up(self):
+        requests = []
+        from rl_scaling.rollout.engine import GroupRequest
+
+        while len(self._outstanding) < self.capacity:
+            if not self._problems:
+                self._problems.extend(next(self.stream))
+            problem = self._problems.popleft()
+            ids = np.asarray(self.tok.encode(problem.prompt), np.int32)
+            if len(ids) > self.max_prompt_len:
+                raise ValueError(f"prompt has {len(ids)} tokens, more than config.task.max_prompt_len="
+                                 f"{self.max_prompt_len}: {problem.prompt[:80]!r}")
+            gid = self._next_gid
+            self._next_gid += 1
+            self._outstanding[gid] = problem
+            self._order.append(gid)
+            requests.append(GroupRequest(gid, ids, self.G, min_version=max(self.version, 0)))
+        if requests:
+            self.backend.submit(requests)
+            self.counts["submitted"] += len(requests)
+
+    def _receive(self, timeout: float):
+        for r in self.backend.poll(timeout):
+            if r.group_id not in self._outstanding or r.group_id in self._ready:
+                self.counts["duplicates"] += 1  # e.g. re-sent after a reconnect; never trained twice
+                continue
+            if r.tokens.shape != (self.G, self.T):
+                raise RolloutError(f"group {r.group_id} came back with shape {r.tokens.shape}, expected {(self.G, self.T)}: "
+                                   "the rollout server's config does not match the trainer's")
+            self._ready[r.group_id] = r
+
+    def _drop(self, gid):
+        self._ready.pop(gid, None)
+        self._outstanding.pop(gid)
+        self._order.remove(gid)
+        self.counts["dropped"] += 1
+
+    def _select(self):
+        """P group ids to train on now, or None to wait for more."""
+        for gid in [g for g, r in self._ready.items() if self.version - r.v_first > self.k]:
+            self._drop(gid)  # too old (only possible with stale_policy="drop", or a remote lag)
+        if self.policy == "wait":
+            head = [self._order[i] for i in range(min(self.P, len(self._order)))]
+            return head if len(head) == self.P and all(g in self._ready for g in head) else None
+        if len(self._ready) < self.P:
+            return None
+        return sorted(self._ready, key=lambda g: (self._ready[g].v_first, g))[: self.P]
+
+    # ---- batches out -----------------------------------------------------------------
+    def next_batch(self) -> StepData:
+        """The next P whole groups (P*G samples), each at most k versions old."""
+        if self.version < 0:
+            raise RolloutError("push_weights(params, version) must be called before next_batch()")
+        t_call = time.perf_counter()
+        self._receive(0.0)
+        queue_depth = len(self._ready)  # groups ready before any waiting
+        self._top_up()
+        chosen = None
+        while chosen is None:
+            self.backend.check()
+            stalled = self.backend.stats().get("stalled_s", 0.0)
+            if stalled > self.stall_s:  # alive but stuck (a hang, not a crash)
+                raise RolloutError(f"the rollout generator made no progress for {stalled:.0f} s "
+                                   f"with {len(self._outstanding)} prompt groups outstanding")
+            self._receive(0.0)
+            chosen = self._select()
+            if chosen is None:
+                if self.policy == "drop":
+                    self._top_up()
+                self._receive(self.poll_s)
+                chosen = self._select()
+        t_ready = time.perf_counter()
+        data = self._assemble(chosen, queue_depth, t_call, t_ready)
+        for gid in chosen:
+            self._ready.pop(gid)
+            self._outstanding.pop(gid)
+            self._order.remove(gid)
+        self.counts["consumed"] += len(chosen)
+        return data
+
+    def _assemble(self, gids, queue_depth, t_call, t_ready) -> StepData:
+        P, G, T, L = self.P, self.G, self.T, self.max_prompt_len
+        N = P * G
+        prompt_tokens = np.full((N, L), self.tok.pad_id, np.int32)
+        prompt_mask = np.zeros((N, L), bool)
+        tokens = np.empty((N, T), np.int32)
+        forced = np.empty((N, T), bool)
+        logprobs = np.empty((N, T), np.float32)
+        versions = np.empty((N, T), np.int32)
+        lengths = np.empty((N,), np.int32)
+        stopped = np.empty((N,), bool)
+        rewards = np.empty((N,), np.float32)
+        ids = np.empty((N,), np.int64)
+        for i, gid in enumerate(gids):
+            r, problem = self._ready[gid], self._outstanding[gid]
+            rows = slice(i * G, (i + 1) * G)
+            n = len(r.prompt)
+            prompt_tokens[rows, L - n:] = r.prompt
+            prompt_mask[rows, L - n:] = True
+            tokens[rows], logprobs[rows], versions[rows], forced[rows] = r.tokens, r.logprobs, r.versions, r.forced
+            lengths[rows], stopped[rows] = r.lengths, r.stopped
+            ids[rows] = gid * G + np.arange(G)
+            for j in range(G):
+                response = self.tok.decode(r.tokens[j, : r.lengths[j]])
+                rewards[i * G + j] = self.task.reward(response, problem)
+        v_first = versions[:, 0]
+        v_last = versions[np.arange(N), lengths - 1]
+        staleness = self.version - v_first
+        if staleness.max() > self.k or v_first.min() < 0:
+            raise RolloutError(f"internal error: staleness {staleness.max()} > k={self.k}")
+        hist = np.bincount(staleness, minlength=self.k + 1)[: self.k + 1]
+        self.staleness_hist += hist
+        out = sampler.Samples(tokens, logprobs, forced, lengths, ~stopped, forced.any(axis=1))
+
+        wait = t_ready - t_call
+        self.trainer_wait_s += wait
+        now = time.perf_counter()
+        gen = self.backend.stats()
+        metrics = {
+            "time/rollout_s": wait,
+            "rollout/staleness_mean": float(staleness.mean()),
+            "rollout/staleness_max": float(staleness.max()),
+            "rollout/version_span_mean": float((v_last - v_first).mean()),
+            "rollout/queue_depth": float(queue_depth),
+            "rollout/outstanding": float(len(self._outstanding)),
+            "rollout/dropped_groups": float(self.counts["dropped"]),
+            "rollout/duplicates": float(self.counts["duplicates"]),
+            **{f"rollout/staleness_{s}": float(c) for s, c in enumerate(hist)},
+        }
+        if self._t_prev is not None:
+            metrics["rollout/trainer_idle_frac"] = wait / max(now - self._t_prev, 1e-9)
+            d = {k: gen[k] - self._gen_prev[k] for k in ("busy_s", "idle_s", "steps", "slot_steps")}
+            metrics["rollout/gen_idle_frac"] = d["idle_s"] / max(d["busy_s"] + d["idle_s"], 1e-9)
+            metrics["rollout/slot_occupancy"] = d["slot_steps"] / max(d["steps"] * gen["slots"], 1)
+        self._t_prev, self._gen_prev = now, gen
+        return StepData(prompt_tokens, prompt_mask, out, rewards, metrics, ids, v_first, v_last, staleness)
+
+    def close(self) -> None:
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+        try:
+            self.backend.close()
+        finally:
+            _OPEN.discard(self)
+
+
+def check_config(config) -> None:
+    rc = config.rollout
+    if rc.mode not in MODES:
+        raise ValueError(f"config.rollout.mode={rc.mode!r} is not valid; choose one of {MODES}")
+    if rc.stale_policy not in STALE_POLICIES:
+        raise ValueError(f"config.rollout.stale_policy={rc.stale_policy!r} is not valid; choose one of {STALE_POLICIES}")
+    for name in ("max_staleness", "queue_size", "engine_slots", "engine_devices"):
+        if rc[name] < 0:
+            raise ValueError(f"config.rollout.{name} must be >= 0, got {rc[name]}")
+
+
+def _embedded_split(config) -> int:
+    rc = config.rollout
+    return rc.engine_devices if rc.mode == "pipeline" and not rc.server else 0
+
+
+def trainer_devices(config):
+    """The devices the trainer's mesh spans: all, less those an embedded engine has to itself."""
+    devices, n = jax.devices(), _embedded_split(config)
+    if n and n >= len(devices):
+        raise ValueError(f"config.rollout.engine_devices={n} leaves no device for the trainer "
+                         f"({len(devices)} devices; on CPU raise --xla_force_host_platform_device_count)")
+    return devices[: len(devices) - n]
+
+
+def engine_devices(config):
+    """The embedded engine's devices: its own (the last engine_devices), or the trainer's first."""
+    n = _embedded_split(config)
+    return jax.devices()[len(jax.devices()) - n:] if n else jax.devices()[:1]
+
+
+def from_config(config, task, stream, gen_cfg, params, version: int) -> Pipeline:
+    """The pipeline a run's config asks for, with `params` pushed as `version`:
+    an embedded engine, or a client of `launch/serve.py` at config.rollout.server."""
+    check_config(config)
+    rc = config.rollout
+    P, G = rc.prompts_per_step, rc.samples_per_prompt
+    if jax.process_count() > 1:
+        raise NotImplementedError("config.rollout.mode='pipeline' drives one trainer process; a multi-host trainer "
+                                  "needs the batch broadcast to every process (not implemented): use mode='sync'")
+    if rc.server:
+        from rl_scaling.rollout import server
+
+        backend = server.RemoteBackend(rc.server, expected=server.fingerprint(config), reconnect_s=rc.reconnect_s)
+    else:
+        engine, holder = make_engine(config, gen_cfg, task.tokenizer, engine_devices(config))
+        backend = EmbeddedBackend(engine, holder)
+    pipe = Pipeline(backend, task, stream, prompts_per_step=P, samples_per_prompt=G,
+                    max_prompt_len=config.task.max_prompt_len, max_new_tokens=rc.max_new_tokens,
+                    max_staleness=rc.max_staleness, stale_policy=rc.stale_policy, queue_size=rc.queue_size)
+    try:
+        pipe.push_weights(params, version)
+    except BaseException:
+        pipe.close()
+        raise
+    return pipe
+
+
+def make_engine(config, gen_cfg, tokenizer, devices):
+    """A PolicyEngine on a mesh over `devices` (fsdp over all of them) and its weight holder."""
+    from rl_scaling.rollout import engine as engine_lib
+
+    from rl_scaling.rollout import length_control
+
+    rc = config.rollout
+    mesh = sharding.make_mesh({"fsdp": -1}, devices)
+    slots = rc.engine_slots or rc.prompts_per_step * rc.samples_per_prompt
+    length = length_control.LengthControl(config, tokenizer)
+    interrupt = None
+    if length.mode == "interrupt":  # ScaleRL's forced interruption, in the engine
+        interrupt = engine_lib.Interrupt(length.phrase, length.lo, length.hi, length.answer_budget, tokenizer.think_end_id)
+    engine = engine_lib.PolicyEngine(gen_cfg, mesh, slots=slots, max_prefill_length=config.task.max_prompt_len,
+                                     max_new_tokens=rc.max_new_tokens, temperature=rc.temperature,
+                                     stop_tokens=(tokenizer.eos_id,), pad_id=tokenizer.pad_id,
+                                     seed=config.seed + 7919, tokenizer=tokenizer, interrupt=interrupt)
+    return engine, engine.load_params()

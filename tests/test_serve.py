@@ -1,0 +1,231 @@
+"""The rollout server on loopback: wire format, a pipeline over gRPC with exact log-probs,
+fault reports from the server, a lost server stopping the trainer with a clear error,
+and (slow) trainer and `launch/serve.py` as two processes, the server killed mid-run."""
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+
+from rl_scaling import data, tasks
+from rl_scaling.rl import train_step as ts
+from rl_scaling.rollout import engine as engine_lib
+from rl_scaling.rollout import pipeline as pipeline_lib
+from rl_scaling.rollout import server as server_lib
+from tests.conftest import TINY
+from tests.test_engine import make_engine
+
+P, G, T = 2, 2, 8
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _engine(mesh, cls=engine_lib.PolicyEngine):
+    return make_engine(mesh, cls)  # (with forced interruption)
+
+
+def _pipeline(backend, k=1):
+    task = tasks.ArithmeticTask(0)
+    return pipeline_lib.Pipeline(backend, task, data.prompt_stream(task, 0, P), prompts_per_step=P,
+                                 samples_per_prompt=G, max_prompt_len=16, max_new_tokens=T, max_staleness=k)
+
+
+def test_wire_format_roundtrip():
+    meta, arrays = server_lib.unpack(server_lib.pack({"a": [1, 2], "s": "x"}, {"t": np.arange(6, dtype=np.int32)}))
+    assert meta == {"a": [1, 2], "s": "x"} and arrays["t"].tolist() == list(range(6))
+    params = {"w": np.linspace(-1, 1, 12, dtype=np.float32).reshape(3, 4).astype(ml_dtypes.bfloat16),
+              "b": {"c": np.arange(5, dtype=np.float32)}}
+    version, got = server_lib.read_weight_chunks(server_lib.weight_chunks(params, 7))
+    assert version == 7 and got["['w']"].dtype == ml_dtypes.bfloat16
+    np.testing.assert_array_equal(got["['w']"], params["w"])
+    np.testing.assert_array_equal(got["['b']['c']"], params["b"]["c"])
+    with pytest.raises(ValueError, match="incomplete|ended"):
+        server_lib.read_weight_chunks(list(server_lib.weight_chunks(params, 7))[1:])
+
+
+def test_pipeline_over_grpc_exact_logprobs_and_versions(mesh1, tiny_params):
+    eng = _engine(mesh1)
+    srv = server_lib.RolloutServer(eng, eng.load_params(), host="127.0.0.1", port=0).start()
+    pipe = None
+    try:
+        pipe = _pipeline(server_lib.RemoteBackend(srv.address, reconnect_s=5))
+        params = tiny_params
+        pipe.push_weights(params, 0)
+        seen = set()
+        for step in range(1, 6):
+            batch = pipe.next_batch()
+            assert batch.staleness.max() <= 1
+            seen.update(batch.sample_ids.tolist())
+            if step == 1:  # all version 0: check the carried log-probs against a recompute
+                seq = np.concatenate([batch.prompt_tokens, batch.out.tokens_BT], 1)
+                mask = np.concatenate([batch.prompt_mask, np.arange(T)[None] < batch.out.lengths_B[:, None]], 1)
+                lp = np.asarray(ts.token_logprobs(params, TINY, jnp.asarray(seq), jnp.asarray(mask)))[:, 15:]
+                sampled = mask[:, 16:] & ~batch.out.forced_BT
+                assert np.abs(np.where(sampled, lp - batch.out.logprobs_BT, 0)).max() < 1e-5
+                assert np.all(batch.out.logprobs_BT[batch.out.forced_BT] == 0)
+            params = jax.tree.map(lambda x: x * 0.99, params)
+            pipe.push_weights(params, step)
+        assert len(seen) == 5 * P * G
+        assert srv.holder.version == 5
+    finally:
+        if pipe is not None:
+            pipe.close()
+        srv.stop()
+    assert not srv.generator.alive
+
+
+class _FailingEngine(engine_lib.PolicyEngine):
+    def generate(self, params, decode_state):
+        raise RuntimeError("injected: device lost")
+
+
+def test_server_side_engine_failure_reaches_the_trainer(mesh1, tiny_params):
+    eng = _engine(mesh1, _FailingEngine)
+    srv = server_lib.RolloutServer(eng, eng.load_params(), host="127.0.0.1", port=0).start()
+    try:
+        pipe = _pipeline(server_lib.RemoteBackend(srv.address, reconnect_s=5))
+        pipe.push_weights(tiny_params, 0)
+        t = time.time()
+        with pytest.raises(pipeline_lib.RolloutError, match="injected: device lost"):
+            pipe.next_batch()
+        assert time.time() - t < 10
+        pipe.close()
+    finally:
+        srv.stop()
+
+
+def test_lost_server_stops_the_trainer_with_a_clear_error(mesh1, tiny_params):
+    eng = _engine(mesh1)
+    srv = server_lib.RolloutServer(eng, eng.load_params(), host="127.0.0.1", port=0).start()
+    pipe = _pipeline(server_lib.RemoteBackend(srv.address, reconnect_s=2))
+    try:
+        pipe.push_weights(tiny_params, 0)
+        pipe.next_batch()
+        srv.stop(grace=0)
+        t = time.time()
+        with pytest.raises(pipeline_lib.RolloutError, match=f"rollout server {srv.address} lost.*checkpoint is intact"):
+            for _ in range(100):
+                pipe.next_batch()
+        assert time.time() - t < 10
+    finally:
+        pipe.close()
+        srv.stop()
+
+
+def test_server_binds_loopback_by_default():
+    import inspect
+
+    assert inspect.signature(server_lib.RolloutServer).parameters["host"].default == "127.0.0.1"
+    assert inspect.signature(server_lib.serve).parameters["host"].default == "127.0.0.1"
+
+
+# ---- two processes ---------------------------------------------------------------------------
+
+
+def _start_serve(tmp_path, name="serve"):
+    port_file = tmp_path / f"{name}.port"
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # one device in the server
+    env.update(JAX_PLATFORMS="cpu", PYTHONPATH=ROOT)
+    proc = subprocess.Popen([sys.executable, os.path.join(ROOT, "launch", "serve.py"), "--port=0",
+                             f"--port_file={port_file}", "--config.rollout.max_new_tokens=8",
+                             "--config.rollout.engine_slots=8", "--config.rollout.length_control=none"],
+                            env=env, stdout=open(tmp_path / f"{name}.log", "w"), stderr=subprocess.STDOUT)
+    deadline = time.time() + 120
+    while not port_file.exists():
+        assert proc.poll() is None, (tmp_path / f"{name}.log").read_text()
+        assert time.time() < deadline, "launch/serve.py did not start"
+        time.sleep(0.2)
+    return proc, f"127.0.0.1:{port_file.read_text().strip()}"
+
+
+@pytest.mark.slow
+def test_two_processes_run_then_server_killed_stops_with_checkpoint_intact(tmp_path):
+    from rl_scaling import checkpoint, config as config_lib, sharding, train
+    from tests.test_pipeline import _tiny_run_config
+
+    proc, address = _start_serve(tmp_path)
+    try:
+        # 1. a short run completes with the rollouts served by the other process
+        config = _tiny_run_config("pipeline", steps=3)
+        config.rollout.server = address
+        result = train.train(config, str(tmp_path / "run1"))
+        assert result["step"] == 3 and result["samples"] == 3 * 4 * 2
+
+        # 2. a longer run; the server is SIGKILLed once a checkpoint exists
+        config = _tiny_run_config("pipeline", steps=500)
+        config.rollout.server, config.rollout.reconnect_s = address, 5.0
+        config.init_checkpoint = str(tmp_path / "run1" / "warmstart" / "params")
+        ckpt_dir = tmp_path / "run2" / "checkpoints"
+        killed = {}
+
+        def killer():
+            deadline = time.time() + 300
+            while time.time() < deadline and not any(p.name.isdigit() and int(p.name) >= 4
+                                                     for p in (ckpt_dir.iterdir() if ckpt_dir.exists() else [])):
+                time.sleep(0.1)
+            killed["t"] = time.time()
+            proc.send_signal(signal.SIGKILL)
+
+        threading.Thread(target=killer, daemon=True).start()
+        with pytest.raises(pipeline_lib.RolloutError, match="lost.*checkpoint is intact") as err:
+            train.train(config, str(tmp_path / "run2"))
+        assert "t" in killed, "the run ended before the server was killed"
+        assert time.time() - killed["t"] < 30, f"took {time.time() - killed['t']:.1f} s to notice: {err.value}"
+    finally:
+        proc.kill()
+        proc.wait(30)
+        pipeline_lib.close_all()
+
+    # 3. the last checkpoint is intact and restores
+    train_cfg = config_lib.model_config(config, config.rl.fp32_lm_head)
+    optimizer = ts.make_optimizer(config.optim)
+    mesh = sharding.make_mesh(dict(config.mesh))
+    state_sh = ts.state_shardings(train_cfg, optimizer, mesh)
+    abstract = checkpoint.abstract_like(
+        jax.eval_shape(lambda: ts.init_state(train_cfg, optimizer, jax.random.key(0), mesh, state_sh)), state_sh)
+    time.sleep(1.0)  # an async save may still be finishing in this process
+    step, state, meta = checkpoint.Checkpoints(str(ckpt_dir)).restore_latest(abstract)
+    assert step >= 4 and int(state["step"]) == step and meta["samples"] == step * 4 * 2
+
+
+@pytest.mark.slow
+def test_ctrl_c_stops_server_and_trainer_cleanly(tmp_path):
+    proc, _ = _start_serve(tmp_path, "serve_sigint")
+    proc.send_signal(signal.SIGINT)
+    assert proc.wait(30) == 0, (tmp_path / "serve_sigint.log").read_text()[-2000:]
+
+    # A trainer-side embedded pipeline, interrupted while it waits for rollouts.
+    script = tmp_path / "trainer.py"
+    script.write_text(
+        "import sys, jax\n"
+        "from configs import tiny\n"
+        "from flax import linen as nn\n"
+        "from rl_scaling import config as config_lib, data, tasks\n"
+        "from rl_scaling.policy import model as model_lib\n"
+        "from rl_scaling.rollout import pipeline\n"
+        "c = tiny.get_config()\n"
+        "c.rollout.mode, c.rollout.length_control = 'pipeline', 'none'\n"
+        "c.rollout.prompts_per_step, c.rollout.samples_per_prompt, c.rollout.max_new_tokens = 2, 2, 8\n"
+        "task = tasks.make_task(c.task, 0)\n"
+        "cfg = config_lib.model_config(c, True)\n"
+        "params = nn.unbox(model_lib.init_params(cfg, jax.random.key(0)))\n"
+        "pipe = pipeline.from_config(c, task, data.prompt_stream(task, 0, 2), cfg, params, 0)\n"
+        "print('ready', flush=True)\n"
+        "while True:\n"
+        "    pipe.next_batch()\n")
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env.update(JAX_PLATFORMS="cpu", PYTHONPATH=ROOT)
+    trainer = subprocess.Popen([sys.executable, str(script)], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                               text=True)
+    assert trainer.stdout.readline().strip() == "ready"
+    time.sleep(2.0)
+    trainer.send_signal(signal.SIGINT)
+    _, err = trainer.communicate(timeout=30)  # no hang: atexit closes the pipeline and joins its thread
+    assert "KeyboardInterrupt" in err and "Fatal Python error" not in err, err[-2000:]

@@ -1,0 +1,112 @@
+"""launch/sweep.py: the commands it plans, its errors, and the whole loop (warm start, runs,
+skip-on-rerun, fit, comparison.md, figures) with a stand-in interpreter whose `run.py`
+writes synthetic sigmoid curves instead of training."""
+
+import importlib.util
+import json
+import os
+import re
+import shlex
+import stat
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _load_sweep():
+    spec = importlib.util.spec_from_file_location("sweep", os.path.join(ROOT, "launch", "sweep.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+sweep = _load_sweep()
+
+
+def test_dry_run_prints_warm_start_runs_and_fit(tmp_path, capsys):
+    rc = sweep.main(["--config=configs/tiny.py:samples=7680", "--recipes=scalerl,grpo+rl.adv_norm=none", "--seeds=2",
+                     f"--workdir={tmp_path}", "--extra=--config.eval.num_prompts=64", "--dry_run"])
+    assert rc == 0
+    cmds = [shlex.split(line) for line in capsys.readouterr().out.splitlines() if not line.startswith("#")]
+    assert not os.listdir(tmp_path)  # nothing ran
+    warm, runs, fit = cmds[0], cmds[1:5], cmds[5]
+    assert warm[1].endswith("launch/run.py") and "--config.steps=1" in warm
+    assert warm[2] == "--config=configs/tiny.py:samples=7680,recipe=scalerl,seed=0"
+    init = f"--config.init_checkpoint={tmp_path}/warmstart/warmstart/params"
+    expected = [("scalerl", "scalerl", 0), ("grpo", "grpo+rl.adv_norm=none", 0), ("scalerl", "scalerl", 1),
+                ("grpo", "grpo+rl.adv_norm=none", 1)]
+    for cmd, (name, label, seed) in zip(runs, expected):
+        assert cmd[2] == f"--config=configs/tiny.py:samples=7680,recipe={name},seed={seed}"
+        assert f"--workdir={tmp_path}/{label}/seed{seed}" in cmd and init in cmd
+        assert cmd[-1] == "--config.eval.num_prompts=64"
+        if "+" in label:
+            assert "--config.rl.adv_norm=none" in cmd and f"--config.recipe={label}" in cmd
+    assert fit[1].endswith("launch/fit.py") and f"--out={tmp_path}/fit" in fit and len(fit) == 2 + 4 + 2
+
+
+@pytest.mark.parametrize("recipes, message", [
+    ("scalerl,dapoo", "unknown recipe 'dapoo'; valid recipes: dapo, grpo, magistral, minimax, scalerl"),
+    ("scalerl+adv_norm=none", "must look like section.field=value"),
+    ("grpo,grpo", "give distinct recipes"),
+])
+def test_bad_recipe_specs_fail_clearly(tmp_path, recipes, message):
+    with pytest.raises(SystemExit, match=message):
+        sweep.main([f"--recipes={recipes}", f"--workdir={tmp_path}", "--dry_run"])
+
+
+FAKE_PYTHON = r'''#!{python}
+"""Stand-in interpreter: run.py writes a synthetic curve, anything else runs for real."""
+import json, math, os, sys
+script, args = sys.argv[1], sys.argv[2:]
+if not script.endswith("run.py"):
+    os.execv({python!r}, [{python!r}, script, *args])
+flags = dict(a[2:].split("=", 1) for a in args if a.startswith("--") and "=" in a)
+wd = flags["workdir"]
+os.makedirs(wd, exist_ok=True)
+sweep_dir = os.path.dirname(wd) if wd.endswith("warmstart") else os.path.dirname(os.path.dirname(wd))
+with open(os.path.join(sweep_dir, "calls.log"), "a") as f:
+    f.write(wd + "\n")
+if wd.endswith("warmstart"):
+    os.makedirs(os.path.join(wd, "warmstart", "params"))
+    sys.exit(0)
+arg = dict(kv.split("=") for kv in flags["config"].split(":", 1)[1].split(","))
+label = flags.get("config.recipe", arg["recipe"])
+seed = int(arg["seed"])
+A = {{"scalerl": 0.6, "grpo": 0.45}}.get(arg["recipe"], 0.5)
+json.dump({{"recipe": label, "seed": seed}}, open(os.path.join(wd, "config.json"), "w"))
+with open(os.path.join(wd, "metrics.jsonl"), "w") as f:
+    for i in range(25):
+        c = i * 4e9
+        y = 0.1 + (A - 0.1) / (1 + (2e10 / c) ** 1.8) if c else 0.1
+        y += 0.004 * math.sin(7 * i + seed)
+        f.write(json.dumps({{"step": i * 10 + 1, "loss": 0.1, "compute_flops": c + 1, "samples": i, "truncation_rate": 0.01,
+                            "interruption_rate": 0.0, "rho_abs_dev_first_mb": 1e-7, "keep_frac": 0.5}}) + "\n")
+        f.write(json.dumps({{"step": i * 10, "compute_flops": c, "eval/pass_rate": y}}) + "\n")
+'''
+
+
+def test_sweep_runs_fits_and_writes_the_comparison(tmp_path):
+    fake = tmp_path / "fakepy"
+    fake.write_text(FAKE_PYTHON.format(python=sys.executable))
+    fake.chmod(fake.stat().st_mode | stat.S_IEXEC)
+    out = tmp_path / "sweep"
+    argv = ["--recipes=scalerl,grpo", "--seeds=2", f"--workdir={out}", f"--python={fake}", "--fit_args=--n-boot=40"]
+    assert sweep.main(argv) == 0
+    calls = (out / "calls.log").read_text().split()
+    assert calls == [str(out / "warmstart")] + [str(out / r / f"seed{s}") for s in (0, 1) for r in ("scalerl", "grpo")]
+    text = (out / "comparison.md").read_text()
+    fitted = {m.group(1): (float(m.group(2)), float(m.group(3)))
+              for m in re.finditer(r"^\| (\w+) \| ([0-9.]+) \[[^|]*\| ([0-9.]+) \[", text, re.M)}
+    assert abs(fitted["scalerl"][0] - 0.6) < 0.02 and abs(fitted["grpo"][0] - 0.45) < 0.02  # the synthetic A
+    assert all(abs(b - 1.8) < 0.2 for _, b in fitted.values())  # and B
+    assert "Ranking" in text and "1. scalerl" in text
+    assert (out / "curves.png").stat().st_size > 0 and (out / "fit" / "fit.json").exists()
+    record = json.loads((out / "sweep.json").read_text())
+    assert all(r["rc"] == 0 for r in record["runs"]) and record["wall_s"] > 0
+    # a second sweep skips the finished runs and the warm start, and writes the same table
+    assert sweep.main(argv) == 0
+    assert (out / "calls.log").read_text().split() == calls
+    assert (out / "comparison.md").read_text().split("in all")[1].split("\n", 1)[1] == \
+        text.split("in all")[1].split("\n", 1)[1]
