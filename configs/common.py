@@ -30,9 +30,9 @@ def _recipe(loss, clip, aggregation, adv_norm, zero_var, npr, length_control, fp
 # trained as rl.num_minibatches = k updates (apply_recipe sets prompts_per_step).
 # Off-policy: the paper runs ScaleRL (PipelineRL-8) and Magistral (PipelineRL) with
 # rollout.mode="pipeline". The table keeps both synchronous and on-policy (k = 1; PipelineRL-k's
-# ideal limit) because the pipeline engine does not implement forced interruption yet and the
-# tiny CPU comparison should not mix schemes; add `--config.rollout.mode=pipeline` (for scalerl
-# also `--config.rollout.length_control=none`) to run them off-policy.
+# ideal limit): a synchronous run resumes exactly (a pipeline drops the groups in flight at a
+# checkpoint), and the tiny CPU comparison should not mix schemes. `--config.rollout.mode=pipeline`
+# runs them as in the paper (the engine does forced interruption; rollout.max_staleness = k).
 # DAPO: the paper's DAPO drops zero-variance prompts from the loss; DAPO's own dynamic sampling
 # and overlong penalty are `--config.rollout.dynamic_sampling=True --config.rollout.length_control=overlong`.
 # MiniMax: "PPO-off-policy" with k unstated, 8 here (?); its advantage normalization is per prompt

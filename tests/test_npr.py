@@ -121,7 +121,7 @@ def _e2e_config(steps):
 def test_train_loop_npr_survives_resume(tmp_path, monkeypatch):
     from rl_scaling import tasks, train
 
-    monkeypatch.setitem(tasks.TASKS, "fewprompts", FewPromptsTask)
+    monkeypatch.setitem(tasks.TASKS, "fewprompts", lambda task_cfg, seed: FewPromptsTask(seed))
     seen = []  # (problem key) of every training sample's reward call, in order
     orig = FewPromptsTask.reward
 

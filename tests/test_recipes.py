@@ -89,7 +89,6 @@ def _conflict(**fields):
     (dict(rl__loss="gspo", rl__gspo_eps_high=0.0), "config.rl.gspo_eps_high=0.0 positive"),
     (dict(rl__eps_low=1.2), r"config.rl.eps_low=1.2 must be in \[0, 1\)"),
     (dict(rl__kl_coef=-0.1), "config.rl.kl_coef=-0.1 >= 0"),
-    (dict(rollout__mode="pipeline"), "config.rollout.length_control='interrupt' is not supported with config.rollout.mode"),
     (dict(rollout__mode="pipeline", rollout__length_control="none", rollout__dynamic_sampling=True),
      "config.rollout.dynamic_sampling=True is not supported with config.rollout.mode='pipeline'"),
     (dict(rollout__dynamic_sampling=True, rollout__dynamic_sampling_rounds=0), "config.rollout.dynamic_sampling_rounds=0"),
@@ -112,6 +111,7 @@ def test_ablation_switches_are_independent():
         dict(rollout__length_control="overlong"), dict(rollout__length_control="none"),
         dict(rl__fp32_lm_head=False, rollout__fp32_lm_head=False),
         dict(rl__num_minibatches=8), dict(rollout__dynamic_sampling=True), dict(rl__kl_coef=0.01),
+        dict(rollout__mode="pipeline"),  # PipelineRL-k, forced interruption in the engine
     ]
     for fields in ablations:
         config_lib.validate(_conflict(**fields))
