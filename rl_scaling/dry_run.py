@@ -98,8 +98,10 @@ def topology_devices(topology: str) -> tuple:
     from jax.experimental import topologies
 
     chip_of(topology)
-    for var, value in (("TPU_STDERR_LOG_LEVEL", "3"), ("TPU_MIN_LOG_LEVEL", "3")):
-        os.environ.setdefault(var, value)  # libtpu's harmless "no TPU here" warnings
+    # libtpu's harmless "no TPU here" warnings; no lockfile: compiling only, several processes
+    # (pytest -n 2) may hold libtpu at once.
+    for var, value in (("TPU_STDERR_LOG_LEVEL", "3"), ("TPU_MIN_LOG_LEVEL", "3"), ("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")):
+        os.environ.setdefault(var, value)
     try:
         desc = topologies.get_topology_desc(platform="tpu", topology_name=topology)
     except Exception as e:  # noqa: BLE001 - libtpu missing or an unknown shape
@@ -123,9 +125,8 @@ def _flop_parts(cfg: model_lib.ModelConfig, tokens: float, ctx_sum: float) -> di
     """Forward FLOPs of `tokens` tokens whose attention contexts sum to ctx_sum."""
     head = 2.0 * cfg.d_model * cfg.vocab_size * tokens
     matmul = 2.0 * model_lib.compute_params(cfg) * tokens
-    attn_proj = 2.0 * cfg.n_layers * cfg.d_model * cfg.head_dim * (2 * cfg.n_heads + 2 * cfg.n_kv_heads) * tokens
     attn = 4.0 * cfg.n_layers * cfg.n_heads * cfg.head_dim * ctx_sum
-    return {"body": matmul - head, "head": head, "attn_proj": attn_proj, "attn": attn}
+    return {"body": matmul - head, "head": head, "attn": attn}
 
 
 def train_flops(cfg: model_lib.ModelConfig, rl_cfg, n_seq: int, seq_len: int) -> tuple[float, float]:
@@ -134,12 +135,9 @@ def train_flops(cfg: model_lib.ModelConfig, rl_cfg, n_seq: int, seq_len: int) ->
     f = _flop_parts(cfg, n_seq * T, n_seq * T * (T + 1) / 2.0)
     model = 3.0 * (f["body"] + f["head"] + f["attn"])  # k minibatches split the batch: one pass over it
     remat = 1.0 if cfg.remat else 0.0
-    # Llama-4 layers (nope_layer_interval) run the attention module twice (RoPE and NoPE
-    # branches, one kept by jnp.where): projections and attention count twice.
-    branches = 2.0 if cfg.nope_layer_interval else 1.0
-    hw = ((3 + remat) * (f["body"] + (branches - 1) * f["attn_proj"])
+    hw = ((3 + remat) * f["body"]
           + (3 + (1.0 if rl_cfg.logprob_chunk else 0.0)) * f["head"]
-          + (3 + remat + (1.0 if cfg.attn_query_chunk else 0.0)) * 2.0 * branches * f["attn"])
+          + (3 + remat + (1.0 if cfg.attn_query_chunk else 0.0)) * 2.0 * f["attn"])
     return model, hw
 
 
@@ -147,9 +145,8 @@ def decode_flops(cfg: model_lib.ModelConfig, rows: int, cache_len: int, mean_ctx
     """(model FLOPs at the mean context, hardware FLOPs over the full cache) of one decode step."""
     model_f = _flop_parts(cfg, rows, rows * mean_ctx)
     hw_f = _flop_parts(cfg, rows, rows * cache_len)
-    branches = 2.0 if cfg.nope_layer_interval else 1.0
     model = model_f["body"] + model_f["head"] + model_f["attn"]
-    hw = hw_f["body"] + hw_f["head"] + (branches - 1) * hw_f["attn_proj"] + branches * hw_f["attn"]
+    hw = hw_f["body"] + hw_f["head"] + hw_f["attn"]
     return model, hw
 
 
@@ -165,7 +162,7 @@ def _compile_errors(step: str, topology: str, capacity_gib: float):
         if "RESOURCE_EXHAUSTED" in text or "out of memory" in text.lower() or "Ran out of memory" in text:
             first = next((line for line in text.splitlines() if "memory" in line.lower()), text[:300])
             raise DoesNotFit(f"{step} step does not fit on {topology}: the TPU compiler ran out of HBM "
-                             f"(capacity {capacity_gib:.1f} GiB per chip): {first.strip()}") from e
+                             f"(capacity {capacity_gib:.1f} GiB per chip): {first.strip()} {HINTS.get(step, '')}") from e
         raise
 
 
@@ -184,15 +181,21 @@ def _xla_flops(compiled) -> float:
     return float((cost or {}).get("flops", 0.0))
 
 
-def _check_fit(result: dict, capacity_gib: float) -> None:
+def check_fit(result: dict, capacity_gib: float) -> None:
     need = result["memory_gib"]["total"]
     if need > capacity_gib:
         raise DoesNotFit(
             f"{result['step']} step does not fit on {result['topology']}: it needs {need:.1f} GiB per chip "
             f"(arguments {result['memory_gib']['arguments']:.1f} + outputs {result['memory_gib']['outputs']:.1f} "
             f"+ temporaries {result['memory_gib']['temps']:.1f} - aliased {result['memory_gib']['aliased']:.1f}), "
-            f"capacity {capacity_gib:.1f} GiB per chip. Raise rl.grad_accum, set model.remat / rl.logprob_chunk / "
-            "model.attn_query_chunk, or use more chips.")
+            f"capacity {capacity_gib:.1f} GiB per chip. {HINTS.get(result['step'], '')}")
+
+
+HINTS = {
+    "train": "Raise rl.grad_accum, set model.remat / rl.logprob_chunk / model.attn_query_chunk, or use more chips.",
+    "decode": "Lower rollout.engine_slots, or give each replica more chips (config.tpu.gen_mesh tensor).",
+    "prefill": "Give each replica more chips (config.tpu.gen_mesh tensor).",
+}
 
 
 def compile_train(config) -> dict:
@@ -327,8 +330,7 @@ def compile_generation(config) -> list[dict]:
         compiled = jitted.lower(params, B((replicas, Pl), jnp.int32), B((replicas, Pl), bool)).compile()
     f = _flop_parts(cfg, replicas * Pl, replicas * Pl * (Pl + 1) / 2.0)
     model = f["body"] + f["attn"]  # no LM head: the cache is all prefill keeps
-    branches = 2.0 if cfg.nope_layer_interval else 1.0
-    hw = f["body"] + (branches - 1) * f["attn_proj"] + 2.0 * branches * f["attn"]
+    hw = f["body"] + 2.0 * f["attn"]
     results.append({"step": "prefill", "topology": tpu.gen_topology, "chip": chip.name, "chips": chips,
                     "mesh": dict(mesh.shape), "capacity_gib": capacity, "compile_s": time.time() - t0,
                     "memory_gib": _memory(compiled), "xla_flops_per_chip": _xla_flops(compiled),
@@ -384,12 +386,12 @@ def run(config, steps=("train", "generation"), print_fn=print) -> list[dict]:
     if "train" in steps:
         r = compile_train(config)
         print_fn(format_result(r))
-        _check_fit(r, r["capacity_gib"])
+        check_fit(r, r["capacity_gib"])
         results.append(r)
     if "generation" in steps:
         for r in compile_generation(config):
             print_fn(format_result(r))
-            _check_fit(r, r["capacity_gib"])
+            check_fit(r, r["capacity_gib"])
             results.append(r)
     return results
 

@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from rl_scaling import checkpoint, compute, config as config_lib, data, evaluate, metrics as metrics_lib, sharding, tasks
+from rl_scaling import checkpoint, compute, config as config_lib, data, distributed, evaluate, metrics as metrics_lib, sharding, tasks
 from rl_scaling.rl import filters, train_step as ts
 from rl_scaling.rollout import collect, length_control, pipeline
 
@@ -99,6 +99,9 @@ def train(config, workdir: str) -> dict:
 
     rollouts = None  # PipelineRL-k: rollouts generated in the background by a JetStream engine
     if config.rollout.mode == "pipeline":
+        if distributed.multiprocess():
+            raise ValueError("config.rollout.mode='pipeline' runs in one process only for now (each host would start "
+                             "its own engine or client); with several hosts use mode='sync'")
         rollouts = pipeline.from_config(config, task, stream, gen_cfg, state["params"], step)
         n_devices += rollouts.devices  # a remote rollout server's accelerators count as compute
     pending = None  # metrics are read one step late so the host never waits on the device
@@ -121,6 +124,7 @@ def train(config, workdir: str) -> dict:
             correct, rewards = (raw > 0).astype(np.float32), length.shape_rewards(raw, out.lengths_B)
             generated = (prompt_mask.sum(1), out.lengths_B)
         batch = collect.rl_batch(prompt_tokens, prompt_mask, out, rewards, P, G)
+        batch = distributed.global_batch(batch, mesh)  # several hosts: each feeds its own rows
         state, step_metrics = rl_step(state, batch)
         if rollouts is not None:  # new weights reach the generator now; sequences in flight continue
             rollouts.push_weights(state["params"], step)
@@ -202,7 +206,8 @@ def warm_start(config, task, train_cfg, gen_cfg, mesh, gen_kw):
                                                   config.rollout.max_new_tokens)
         tokens, token_mask = data.pack_sequences(prompt, prompt_mask, comp, comp_mask)
         loss_mask = np.concatenate([np.zeros_like(prompt_mask), comp_mask], axis=1).astype(np.float32)
-        state, m = step_fn(state, {"tokens": tokens, "token_mask": token_mask, "loss_mask": loss_mask})
+        sft_batch = distributed.global_batch({"tokens": tokens, "token_mask": token_mask, "loss_mask": loss_mask}, mesh)
+        state, m = step_fn(state, sft_batch)
         if (s + 1) % ws.eval_every == 0:
             rate = evaluate.pass_rate(state["params"], gen_cfg, task, probe, samples_per_prompt=2,
                                       batch_size=config.eval.batch_size, rng=jax.random.key(s), **gen_kw)["pass_rate"]

@@ -124,7 +124,10 @@ class Attention(nn.Module):
     cfg: ModelConfig
 
     @nn.compact
-    def __call__(self, x_BTD, positions_BT, mask_BTS, cache_kv, cache_index_B, use_rope):
+    def __call__(self, x_BTD, positions_BT, masks, cache_kv, cache_index_B, is_nope=None, layer_idx=0):
+        """is_nope: None (every layer RoPE, global mask) or a traced bool (Llama 4: NoPE and the
+        global mask on this layer, else RoPE and the chunked "local" mask); q, k and the mask are
+        selected elementwise, so attention runs once either way."""
         cfg = self.cfg
         dtype, pdtype = DTYPES[cfg.dtype], DTYPES[cfg.param_dtype]
         K, G, H = cfg.n_kv_heads, cfg.n_heads // cfg.n_kv_heads, cfg.head_dim
@@ -138,20 +141,32 @@ class Attention(nn.Module):
         q_BTNH = proj("q", cfg.n_heads, ("heads", "head_dim"))
         k_BTKH = proj("k", K, ("kv_heads", "head_dim"))
         v_BTKH = proj("v", K, ("kv_heads", "head_dim"))
-        if use_rope:
-            inv_freq = rope_frequencies(cfg)
-            q_BTNH = apply_rope(q_BTNH, positions_BT, inv_freq)
-            k_BTKH = apply_rope(k_BTKH, positions_BT, inv_freq)
-            if cfg.use_qk_norm:
-                q_BTNH, k_BTKH = _l2_norm(q_BTNH, cfg.norm_eps), _l2_norm(k_BTKH, cfg.norm_eps)
-        elif cfg.attn_temperature_tuning:
-            scale = jnp.log1p(jnp.floor((positions_BT.astype(jnp.float32) + 1.0) / cfg.floor_scale))
-            q_BTNH = (q_BTNH * (scale * cfg.attn_scale + 1.0)[:, :, None, None]).astype(dtype)
+        inv_freq = rope_frequencies(cfg)
+        q_rope, k_rope = apply_rope(q_BTNH, positions_BT, inv_freq), apply_rope(k_BTKH, positions_BT, inv_freq)
+        if cfg.use_qk_norm:
+            q_rope, k_rope = _l2_norm(q_rope, cfg.norm_eps), _l2_norm(k_rope, cfg.norm_eps)
+        if is_nope is None:
+            q_BTNH, k_BTKH, masks = q_rope, k_rope, (masks["global"],)
+        else:
+            if cfg.attn_temperature_tuning:
+                scale = jnp.log1p(jnp.floor((positions_BT.astype(jnp.float32) + 1.0) / cfg.floor_scale))
+                q_BTNH = (q_BTNH * (scale * cfg.attn_scale + 1.0)[:, :, None, None]).astype(dtype)
+            q_BTNH, k_BTKH = jnp.where(is_nope, q_BTNH, q_rope), jnp.where(is_nope, k_BTKH, k_rope)
+            masks = (masks["local"], masks["global"])
+        select = lambda ms: ms[0] if len(ms) == 1 else jnp.where(is_nope, ms[1], ms[0])  # noqa: E731
 
-        if cache_kv is not None:  # write the new keys/values at each row's own offset
-            write = jax.vmap(lambda c, u, i: jax.lax.dynamic_update_slice(c, u.astype(c.dtype), (i, 0, 0)))
-            k_cache, v_cache = write(cache_kv[0], k_BTKH, cache_index_B), write(cache_kv[1], v_BTKH, cache_index_B)
-            k_BSKH, v_BSKH = k_cache.astype(dtype), v_cache.astype(dtype)
+        if cache_kv is not None:
+            # cache_kv: all layers' [L, B, S, K, H] keys/values (the scan's carry, so XLA updates it
+            # in place); write this layer's new ones at each row's own offset, read this layer's.
+            B, T = k_BTKH.shape[:2]
+            rows_BT = jnp.broadcast_to(jnp.arange(B)[:, None], (B, T))
+            slots_BT = cache_index_B[:, None] + jnp.arange(T)[None, :]
+
+            def write(c, u):
+                return c.at[layer_idx, rows_BT, slots_BT].set(u.astype(c.dtype), mode="promise_in_bounds")
+
+            k_cache, v_cache = write(cache_kv[0], k_BTKH), write(cache_kv[1], v_BTKH)
+            k_BSKH, v_BSKH = k_cache[layer_idx].astype(dtype), v_cache[layer_idx].astype(dtype)
             new_cache_kv = (k_cache, v_cache)
         else:
             k_BSKH, v_BSKH, new_cache_kv = k_BTKH, v_BTKH, None
@@ -163,11 +178,11 @@ class Attention(nn.Module):
             n, pad = -(-T // C), -T % C
             split = lambda x: jnp.pad(x, [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2)).reshape(  # noqa: E731
                 (B, n, C) + x.shape[2:]).swapaxes(0, 1)
-            block = jax.checkpoint(lambda q, m: _attend(q, k_BSKH, v_BSKH, m, dtype))
-            out_nBCKGH = jax.lax.map(lambda qm: block(*qm), (split(q_BTKGH), split(mask_BTS)))
+            block = jax.checkpoint(lambda q, ms: _attend(q, k_BSKH, v_BSKH, select(ms), dtype))
+            out_nBCKGH = jax.lax.map(lambda qm: block(*qm), (split(q_BTKGH), tuple(map(split, masks))))
             out_BTKGH = out_nBCKGH.swapaxes(0, 1).reshape(B, n * C, K, G, H)[:, :T]
         else:
-            out_BTKGH = _attend(q_BTKGH, k_BSKH, v_BSKH, mask_BTS, dtype)
+            out_BTKGH = _attend(q_BTKGH, k_BSKH, v_BSKH, select(masks), dtype)
         out_BTNH = out_BTKGH.reshape(B, T, cfg.n_heads, H)
         out_BTD = nn.DenseGeneral(
             cfg.d_model, axis=(-2, -1), dtype=dtype, param_dtype=pdtype, use_bias=False, name="o",
@@ -214,23 +229,17 @@ class Block(nn.Module):
     cfg: ModelConfig
 
     @nn.compact
-    def __call__(self, x_BTD, layer_inputs, positions_BT, masks, cache_index_B):
+    def __call__(self, carry, layer_idx, positions_BT, masks, cache_index_B):
         cfg = self.cfg
         dtype = DTYPES[cfg.dtype]
-        layer_idx, cache_kv = layer_inputs
+        x_BTD, cache_kv = carry  # cache_kv: None (training) or every layer's (k, v), updated in place
         x_BTD = sharding.constrain(x_BTD, ("batch", "length", "embed"))
         h_BTD = RMSNorm(cfg.norm_eps, dtype, name="attn_norm")(x_BTD)
         attn = Attention(cfg, name="attn")
-        if cfg.nope_layer_interval:
-            # Llama 4: every n-th layer has no RoPE and attends globally; the others are
-            # chunked. The layer index is a traced scan input, so both branches run and
-            # jnp.where keeps one (attention is a small share of the layer's FLOPs).
-            is_nope = (layer_idx + 1) % cfg.nope_layer_interval == 0
-            rope_out = attn(h_BTD, positions_BT, masks["local"], cache_kv, cache_index_B, True)
-            nope_out = attn(h_BTD, positions_BT, masks["global"], cache_kv, cache_index_B, False)
-            attn_BTD, new_kv = jax.tree.map(lambda a, b: jnp.where(is_nope, b, a), rope_out, nope_out)
-        else:
-            attn_BTD, new_kv = attn(h_BTD, positions_BT, masks["global"], cache_kv, cache_index_B, True)
+        # Llama 4: every n-th layer has no RoPE and attends globally; the others are chunked.
+        # The layer index is a traced scan input: Attention selects q, k and the mask.
+        is_nope = (layer_idx + 1) % cfg.nope_layer_interval == 0 if cfg.nope_layer_interval else None
+        attn_BTD, cache_kv = attn(h_BTD, positions_BT, masks, cache_kv, cache_index_B, is_nope, layer_idx)
         x_BTD = x_BTD + attn_BTD
         h_BTD = RMSNorm(cfg.norm_eps, dtype, name="mlp_norm")(x_BTD)
         if cfg.num_experts:
@@ -240,7 +249,7 @@ class Block(nn.Module):
         else:
             mlp_BTD = SwiGLU(cfg, cfg.mlp_dim, name="mlp")(h_BTD)
         x_BTD = x_BTD + mlp_BTD
-        return x_BTD, new_kv
+        return (x_BTD, cache_kv), None
 
 
 class Decoder(nn.Module):
@@ -299,7 +308,7 @@ class Decoder(nn.Module):
             length=cfg.n_layers,
             metadata_params={nn.PARTITION_NAME: "layers"},
         )(cfg, name="layers")
-        x_BTD, new_kv = layers(x_BTD, (jnp.arange(cfg.n_layers), layer_kv), positions_BT, masks, cache_index_B)
+        (x_BTD, new_kv), _ = layers((x_BTD, layer_kv), jnp.arange(cfg.n_layers), positions_BT, masks, cache_index_B)
         x_BTD = RMSNorm(cfg.norm_eps, dtype, name="final_norm")(x_BTD)
 
         if cfg.tie_embeddings:

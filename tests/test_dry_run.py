@@ -1,0 +1,125 @@
+"""Ahead-of-time compilation for TPU slices (rl_scaling/dry_run.py) on this CPU-only machine.
+
+The slow tests run `launch/run.py --dry_run` on the full-size configs (minutes each: the TPU
+compiler on two cores) and on a deliberately oversized one; the fast ones exercise the same
+machinery on the tiny model and a 4-chip v5e slice."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from configs import dense_8b, scout_moe, tiny
+from rl_scaling import dry_run
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+pytest.importorskip("libtpu", reason="the TPU compiler (requirements-tpu.txt) is not installed")
+
+
+def tiny_tpu_config(**tpu):
+    config = tiny.get_config()
+    config.rollout.prompts_per_step, config.rollout.samples_per_prompt = 4, 4
+    config.rollout.engine_slots = 8
+    config.tpu.train_topology = config.tpu.gen_topology = "v5e:2x2"
+    config.tpu.gen_mesh = dict(data=2, fsdp=1, tensor=2, expert=1)
+    config.mesh.fsdp = -1
+    for k, v in tpu.items():
+        config.tpu[k] = v
+    return config
+
+
+@pytest.fixture(scope="module")
+def tiny_results():
+    return dry_run.run(tiny_tpu_config(), print_fn=lambda s: None)
+
+
+def test_tiny_dry_run_compiles_train_decode_prefill(tiny_results):
+    steps = {r["step"]: r for r in tiny_results}
+    assert set(steps) == {"train", "decode", "prefill"}
+    for r in tiny_results:
+        assert r["chips"] == 4 and r["chip"] == "TPU v5e" and r["capacity_gib"] == 16
+        assert 0 < r["memory_gib"]["total"] < 1  # a 0.2M-parameter model
+        assert r["hw_flops"] >= r["model_flops"] > 0
+        assert "HBM per chip" in dry_run.format_result(r)
+    assert steps["train"]["mesh"]["fsdp"] == 4 and steps["decode"]["mesh"] == {"data": 2, "fsdp": 1, "tensor": 2,
+                                                                                 "expert": 1}
+    assert 0 < steps["train"]["mfu_est"] < steps["train"]["mfu_roofline"] <= 1
+
+
+def test_oversized_step_fails_naming_step_need_and_capacity(tiny_results):
+    train = next(r for r in tiny_results if r["step"] == "train")
+    with pytest.raises(dry_run.DoesNotFit, match=r"train step does not fit on v5e:2x2: it needs .* GiB per chip.*"
+                                                  r"capacity 0\.0 GiB per chip"):
+        dry_run.check_fit(train, 1e-6)
+
+
+def test_bad_topologies_are_clear():
+    with pytest.raises(dry_run.DryRunError, match="unknown chip 'v9'"):
+        dry_run.chip_of("v9:2x2")
+    with pytest.raises(dry_run.DryRunError, match="train_topology is empty"):
+        dry_run.run(tiny.get_config())
+    with pytest.raises(dry_run.DryRunError, match="config.mesh .* v5e:2x2 .*4 chips"):
+        config = tiny_tpu_config()
+        config.mesh.fsdp = 8
+        dry_run.run(config, steps=("train",))
+
+
+def test_flop_counts_match_compute_accounting():
+    from rl_scaling import compute, config as config_lib
+
+    config = dense_8b.get_config()
+    cfg = config_lib.model_config(config)
+    model, hw = dry_run.train_flops(cfg, config.rl, 768, 16384)
+    _, want = compute.sequence_flops(cfg, [2048] * 768, [16384 - 2048 - 1] * 768)
+    assert model == pytest.approx(want, rel=1e-9)
+    assert 1.3 < hw / model < 2.0  # remat, chunk recompute, no causal skipping
+
+
+def _dry_run(config_arg, *flags):
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    env.pop("XLA_FLAGS", None)  # the fake CPU devices of conftest are not needed
+    return subprocess.run([sys.executable, os.path.join(ROOT, "launch", "run.py"), f"--config={config_arg}",
+                           "--dry_run", *flags], env=env, cwd=ROOT, capture_output=True, text=True, timeout=3600)
+
+
+def _check_report(proc, steps=("train", "decode", "prefill")):
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    for step in steps:
+        assert f"[{step}]" in proc.stdout
+    for line in proc.stdout.splitlines():
+        if "HBM per chip:" in line:
+            need, cap = line.split("HBM per chip:")[1].split(" GiB of ")
+            assert float(need) < float(cap.split(" GiB")[0]), line
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["dense_8b", "scout_moe"])
+def test_full_size_dry_run_fits(name):
+    proc = _dry_run(os.path.join("configs", f"{name}.py"))
+    print(proc.stdout)
+    _check_report(proc)
+
+
+@pytest.mark.slow
+def test_dense_8b_without_microbatches_does_not_fit():
+    proc = _dry_run("configs/dense_8b.py", "--config.rl.grad_accum=1", "--dry_run_steps=train")
+    assert proc.returncode == 1, proc.stdout[-2000:]
+    assert "dry run failed: train step does not fit on v5p:2x2x4" in proc.stderr, proc.stderr[-3000:]
+    assert "per chip" in proc.stderr
+
+
+def test_configs_validate():
+    from rl_scaling import config as config_lib
+
+    for mod in (dense_8b, scout_moe):
+        config = mod.get_config()
+        config_lib.validate(config)
+        cfg = config_lib.model_config(config)
+        assert cfg.remat and cfg.attn_query_chunk and cfg.dtype == "bfloat16" and cfg.param_dtype == "float32"
+        assert cfg.fp32_lm_head and config.rl.logprob_chunk
+        assert (config.rollout.prompts_per_step, config.rollout.samples_per_prompt) == (48, 16)
+        assert config.task.max_prompt_len + config.rollout.max_new_tokens == 16384
+        assert (config.optim.lr, config.optim.warmup_steps, config.optim.eps, config.optim.weight_decay) == (
+            5e-7, 100, 1e-15, 0.01)
+    assert config_lib.model_config(scout_moe.get_config()).num_experts == 16
