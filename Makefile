@@ -28,11 +28,16 @@ $(BIN)/.installed-tpu: $(BIN)/.installed-test requirements-tpu.txt
 	$(BIN)/pip install -q -r requirements-tpu.txt
 	touch $@
 
-# Slow checks: ahead-of-time TPU compiles (libtpu, ~700 MB), two-process runs, the notebook.
-test-slow: $(BIN)/.installed-tpu
-	JAX_PLATFORMS=cpu $(BIN)/python -m pytest -n 2 -q -m slow tests
+# Slow checks: two-process runs, the pipeline and server runs, the calibration study, the notebook.
+test-slow: $(BIN)/.installed-test
+	JAX_PLATFORMS=cpu $(BIN)/python -m pytest -n 2 -q -m slow tests --ignore=tests/test_dry_run.py --ignore=tests/test_distributed.py
+
+# Ahead-of-time TPU compiles of the full-size configs (libtpu, ~700 MB) and the two-process
+# jax.distributed step. Not yet part of .ci/run: see the open notes on issue [5/5].
+test-aot: $(BIN)/.installed-tpu
+	JAX_PLATFORMS=cpu $(BIN)/python -m pytest -q -m slow tests/test_dry_run.py tests/test_distributed.py
 
 bench: $(BIN)/.installed-test
 	JAX_PLATFORMS=cpu $(BIN)/python launch/bench.py
 
-.PHONY: venv run test test-slow bench
+.PHONY: venv run test test-slow test-aot bench
