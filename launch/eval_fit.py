@@ -38,7 +38,7 @@ def main(argv):
     import orbax.checkpoint as ocp
     from tensorboardX import SummaryWriter
 
-    from rl_scaling import checkpoint, config as config_lib, evaluate, sharding, tasks
+    from rl_scaling import checkpoint, config as config_lib, evaluate, sharding, tasks, train
     from rl_scaling.rl import train_step as ts
     from rl_scaling.scaling import api
 
@@ -81,8 +81,9 @@ def main(argv):
         tb.add_scalar("eval/pass_rate", row["pass_rate"], row["step"])
 
     warm = os.path.join(workdir, "warmstart", "params")
-    if 0 not in done and os.path.isdir(warm):
-        params = checkpoint.load_params(warm, abstract["params"])
+    start = warm if os.path.isdir(warm) else config.init_checkpoint  # the policy RL started from
+    if 0 not in done and start:
+        params = train.load_start_params(start, gen_cfg, mesh, abstract["params"])
         ev = evaluate_params(params, 0)
         record({"step": 0, "compute_flops": 0.0, "accel_seconds": 0.0, "pass_rate": ev["pass_rate"]})
 

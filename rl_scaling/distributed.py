@@ -143,14 +143,33 @@ def _mesh_of(like):
     raise ValueError("no array with a NamedSharding to take the mesh from")
 
 
-def shard_rows(tree, like):
-    """Host arrays that every process holds whole (same values) -> global arrays on the mesh of
-    `like` (e.g. the params a jitted function also takes): arrays with rows split over the data
-    axes, each process feeding its own rows; PRNG keys and scalars replicated; anything else
-    (Python ints, tuples of ids) untouched. One process: returned unchanged."""
+def row_mesh(like, rows: int):
+    """The mesh of `like` when `rows` sequences split evenly over its data axes and it has
+    several devices (then a jitted sampler traces under it and each device decodes its own
+    rows); None on one device or for rows that do not split (they are computed replicated)."""
     if not multiprocess():
+        mesh = next((m for m in (getattr(getattr(x, "sharding", None), "mesh", None) for x in jax.tree.leaves(like))
+                     if m is not None), None)
+        if mesh is None or mesh.devices.size == 1:
+            return None
+    else:
+        mesh = _mesh_of(like)
+    spec = sharding.batch_sharding(mesh, 1).spec[0]
+    shards = int(np.prod([mesh.shape[a] for a in (spec if isinstance(spec, tuple) else (spec,)) if a]))
+    if rows % shards:
+        if multiprocess():
+            raise ValueError(f"{rows} rows do not split over the {shards} data shards of the mesh {dict(mesh.shape)}")
+        return None
+    return mesh
+
+
+def shard_rows(tree, mesh):
+    """Host arrays that every process holds whole (same values) -> global arrays on `mesh`
+    (from `row_mesh`): arrays with rows split over the data axes, each process feeding its own
+    rows; PRNG keys and scalars replicated; anything else (Python ints, tuples of ids)
+    untouched. No mesh: returned unchanged."""
+    if mesh is None:
         return tree
-    mesh = _mesh_of(like)
 
     def put(x):
         if isinstance(x, jax.Array) and jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):

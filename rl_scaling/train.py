@@ -19,6 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from rl_scaling import checkpoint, compute, config as config_lib, data, distributed, evaluate, metrics as metrics_lib, sharding, tasks
+from rl_scaling.policy import hf_io
 from rl_scaling.rl import filters, train_step as ts
 from rl_scaling.rollout import collect, length_control, pipeline
 
@@ -172,9 +173,10 @@ def _drain(pending):
 
 
 def initial_params(config, task, train_cfg, gen_cfg, mesh, workdir, abstract, gen_kw):
-    """Params to start RL from: config.init_checkpoint, a saved warm start, or a new one."""
+    """Params to start RL from: config.init_checkpoint (an Orbax params checkpoint or a Hugging
+    Face safetensors directory), a saved warm start, or a new one."""
     if config.init_checkpoint:
-        return checkpoint.load_params(config.init_checkpoint, abstract)
+        return load_start_params(config.init_checkpoint, train_cfg, mesh, abstract)
     path = os.path.join(workdir, "warmstart", "params")
     if os.path.isdir(path):
         log.info("reusing the warm start in %s", path)
@@ -182,6 +184,16 @@ def initial_params(config, task, train_cfg, gen_cfg, mesh, workdir, abstract, ge
     params = warm_start(config, task, train_cfg, gen_cfg, mesh, gen_kw)
     checkpoint.save_params(path, params)
     return params
+
+
+def load_start_params(path, model_cfg, mesh, abstract):
+    """An Orbax params checkpoint, or a Hugging Face safetensors directory whose config.json
+    must match `model_cfg`, loaded straight into the shardings of `abstract`."""
+    if os.path.isdir(path) and hf_io.is_hf_checkpoint(path):
+        hf_io.check_architecture(path, model_cfg)
+        log.info("loading Hugging Face weights from %s", path)
+        return hf_io.load_hf_checkpoint(path, model_cfg, mesh)
+    return checkpoint.load_params(path, abstract)
 
 
 def warm_start(config, task, train_cfg, gen_cfg, mesh, gen_kw):

@@ -48,7 +48,10 @@ def _recompute(params, prompt, tokens, lengths):
     return np.asarray(ts.token_logprobs(params, TINY, jnp.asarray(seq), jnp.asarray(mask)))[:, P - 1:], mask[:, P:]
 
 
-def test_logprobs_through_engine_match_teacher_forced_recompute(engine, tiny_params):
+@pytest.mark.parametrize("sharded", [False, True], ids=["1_device", "8_devices"])
+def test_logprobs_through_engine_match_teacher_forced_recompute(engine, tiny_params, sharded):
+    if sharded:  # slots over data x fsdp, heads and MLP over tensor, traced under the mesh
+        engine = make_engine(sharding.make_mesh({"data": 2, "fsdp": 2, "tensor": 2}))
     holder = engine.load_params()
     holder.set(tiny_params, 3)
     gen = engine_lib.Generator(engine, holder).start()

@@ -27,6 +27,7 @@ Layout differences handled here:
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -115,6 +116,38 @@ def config_from_hf(path: str, **overrides) -> M.ModelConfig:
         )
     kw.update(overrides)
     return M.ModelConfig(**kw)
+
+
+# Fields that are choices of how to run the model, not part of the checkpoint's architecture.
+_RUN_FIELDS = ("dtype", "param_dtype", "fp32_lm_head", "remat", "attn_query_chunk", "moe_impl",
+               "router_aux_loss_coef")
+
+
+def is_hf_checkpoint(path: str) -> bool:
+    """A local directory with a config.json and safetensors weights."""
+    return (os.path.isfile(os.path.join(path, "config.json"))
+            and any(f.endswith(".safetensors") for f in os.listdir(path)))
+
+
+def check_architecture(path: str, cfg: M.ModelConfig) -> None:
+    """Raise naming every model field in which `cfg` differs from the checkpoint's config.json."""
+    hf = config_from_hf(path)
+    diffs = []
+    for field in dataclasses.fields(M.ModelConfig):
+        name = field.name
+        if name in _RUN_FIELDS:
+            continue
+        ours, theirs = getattr(cfg, name), getattr(hf, name)
+        if isinstance(ours, float) or isinstance(theirs, float):
+            same = math.isclose(float(ours), float(theirs), rel_tol=1e-6)
+        elif name == "rope_scaling":
+            same = dict(ours or {}) == dict(theirs or {})
+        else:
+            same = ours == theirs
+        if not same:
+            diffs.append(f"model.{name}: config {ours!r}, checkpoint {theirs!r}")
+    if diffs:
+        raise ValueError(f"{path}/config.json does not match the configured model:\n  " + "\n  ".join(diffs))
 
 
 def hf_config_dict(cfg: M.ModelConfig) -> dict:

@@ -7,7 +7,7 @@ from typing import NamedTuple
 import jax
 import numpy as np
 
-from rl_scaling import data, distributed
+from rl_scaling import data, distributed, sharding
 from rl_scaling.rl import filters
 from rl_scaling.rollout import sampler
 
@@ -22,10 +22,13 @@ def generate(params, gen_cfg, task, problems, samples_per_prompt, rng, *, max_pr
     if interrupt is not None:  # (think_budget_B, phrase token ids, answer budget)
         kwargs = dict(think_budget_B=interrupt[0], interrupt_tokens=interrupt[1], answer_budget=interrupt[2],
                       think_end_id=tok.think_end_id)
-    # Several processes: each feeds its own rows to the devices; every process gets all results.
-    dev_tokens, dev_mask, dev_rng, kwargs = distributed.shard_rows((prompt_tokens, prompt_mask, rng, kwargs), params)
-    out = sampler.sample(params, dev_tokens, dev_mask, dev_rng, cfg=gen_cfg, max_new_tokens=max_new_tokens,
-                         temperature=temperature, stop_tokens=(tok.eos_id,), pad_id=tok.pad_id, **kwargs)
+    # Params on several devices: rows split over the data axes (each process feeds its own) and
+    # the sampler traced under the mesh; every process gets all results.
+    mesh = distributed.row_mesh(params, len(prompts))
+    dev_tokens, dev_mask, dev_rng, kwargs = distributed.shard_rows((prompt_tokens, prompt_mask, rng, kwargs), mesh)
+    with sharding.tracing_mesh(mesh):
+        out = sampler.sample(params, dev_tokens, dev_mask, dev_rng, cfg=gen_cfg, max_new_tokens=max_new_tokens,
+                             temperature=temperature, stop_tokens=(tok.eos_id,), pad_id=tok.pad_id, **kwargs)
     out = distributed.to_host(out)
     responses = [tok.decode(row[:n]) for row, n in zip(out.tokens_BT, out.lengths_B)]
     rewards = np.array([task.reward(r, problems[i // samples_per_prompt]) for i, r in enumerate(responses)],

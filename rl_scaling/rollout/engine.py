@@ -174,7 +174,8 @@ class PolicyEngine(engine_api.Engine):
 
     # ---- jitted bodies -------------------------------------------------------------
     def _apply(self, params, *args):
-        return model_lib.Decoder(self.cfg).apply({"params": params}, *args)
+        with sharding.tracing_mesh(self._mesh):  # activation constraints and the MoE shard_map read it
+            return model_lib.Decoder(self.cfg).apply({"params": params}, *args)
 
     def _prefill_impl(self, params, tokens_1P, true_length):
         P = tokens_1P.shape[1]

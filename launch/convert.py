@@ -1,0 +1,93 @@
+"""Hugging Face safetensors <-> Orbax params.
+
+    python launch/convert.py import HF_DIR PARAMS_OUT [--param_dtype=float32]
+        A Llama / Llama-4 checkpoint directory -> an Orbax params checkpoint for
+        --config.init_checkpoint. (init_checkpoint also takes HF_DIR itself, but every host then
+        reads the safetensors from its local disk; an Orbax checkpoint can live on gs://.)
+    python launch/convert.py export WORKDIR HF_OUT [--step=N] [--dtype=bfloat16]
+        The policy of a training run (its latest checkpoint, or step N; step 0 is the warm
+        start) -> HF safetensors + config.json that transformers loads.
+
+Both directions stream one tensor block at a time (rl_scaling/policy/hf_io.py); the params are
+spread over all local devices, so no single device holds the whole model.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import jax  # noqa: E402
+import ml_collections  # noqa: E402
+import orbax.checkpoint as ocp  # noqa: E402
+
+from rl_scaling import checkpoint, config as config_lib, sharding  # noqa: E402
+from rl_scaling.policy import hf_io  # noqa: E402
+
+
+def import_hf(hf_dir: str, out: str, param_dtype: str = "float32") -> None:
+    if not hf_io.is_hf_checkpoint(hf_dir):
+        raise SystemExit(f"{hf_dir}: not a Hugging Face checkpoint directory (config.json + *.safetensors)")
+    cfg = hf_io.config_from_hf(hf_dir, param_dtype=param_dtype)
+    params = hf_io.load_hf_checkpoint(hf_dir, cfg, sharding.make_mesh({"fsdp": -1}))
+    checkpoint.save_params(out, params)
+    print(f"wrote {out}: {sum(x.size for x in jax.tree.leaves(params)):,} parameters ({param_dtype})")
+
+
+def run_params(workdir: str, step: int | None = None):
+    """(params, train ModelConfig, step) of a run's checkpoint; only the params are read."""
+    config_path = os.path.join(workdir, "config.json")
+    if not os.path.exists(config_path):
+        raise SystemExit(f"{config_path} not found: is {workdir} a training run's workdir?")
+    with open(config_path) as f:
+        config = ml_collections.ConfigDict(json.load(f))
+    cfg = config_lib.model_config(config)
+    shapes, shardings = hf_io.abstract_params(cfg, sharding.make_mesh({"fsdp": -1}))
+    abstract = checkpoint.abstract_like(shapes, shardings)
+    if step == 0:
+        return checkpoint.load_params(os.path.join(workdir, "warmstart", "params"), abstract), cfg, 0
+    manager = ocp.CheckpointManager(os.path.join(workdir, "checkpoints"), item_names=("state", "meta"),
+                                    options=ocp.CheckpointManagerOptions(read_only=True))
+    steps = manager.all_steps()
+    if not steps:
+        raise SystemExit(f"{workdir}/checkpoints has no checkpoint")
+    step = max(steps) if step is None else step
+    if step not in steps:
+        raise SystemExit(f"{workdir}/checkpoints has no step {step}; it has {sorted(steps)}")
+    item = {"params": abstract}  # the optimizer state is not read
+    restored = manager.restore(step, args=ocp.args.Composite(state=ocp.args.PyTreeRestore(
+        item, restore_args=ocp.checkpoint_utils.construct_restore_args(item), partial_restore=True)))
+    return restored["state"]["params"], cfg, step
+
+
+def export_hf(workdir: str, out: str, step: int | None = None, dtype: str | None = None) -> None:
+    params, cfg, step = run_params(workdir, step)
+    hf_io.save_hf_checkpoint(params, cfg, out, dtype=dtype)
+    print(f"wrote {out}: the policy at step {step}")
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="direction", required=True)
+    imp = sub.add_parser("import", help="HF safetensors -> Orbax params")
+    imp.add_argument("hf_dir")
+    imp.add_argument("out")
+    imp.add_argument("--param_dtype", default="float32", choices=["float32", "bfloat16"])
+    exp = sub.add_parser("export", help="a run's checkpoint -> HF safetensors")
+    exp.add_argument("workdir")
+    exp.add_argument("out")
+    exp.add_argument("--step", type=int, default=None)
+    exp.add_argument("--dtype", default=None, choices=["float32", "bfloat16"])
+    args = parser.parse_args(argv)
+    if args.direction == "import":
+        import_hf(args.hf_dir, args.out, args.param_dtype)
+    else:
+        export_hf(args.workdir, args.out, args.step, args.dtype)
+
+
+if __name__ == "__main__":
+    main()
