@@ -53,6 +53,7 @@ from flax import linen as nn
 from rl_scaling import config as config_lib, sharding
 from rl_scaling.policy import model as model_lib
 from rl_scaling.rl import train_step as ts
+from rl_scaling.rollout import engine, sampler
 
 GIB = 2**30
 UTILISATION = 0.5  # assumed achieved share of peak on hardware FLOPs, for the "realistic" time
@@ -236,10 +237,11 @@ def compile_train(config) -> dict:
 
 
 def gen_params_abstract(cfg: model_lib.ModelConfig, mesh):
-    """Abstract generator params on `mesh`: the body in cfg.dtype, the LM head float32 when
-    cfg.fp32_lm_head (what the trainer pushes, resharded and cast)."""
-    boxed = jax.eval_shape(functools.partial(model_lib.init_params, cfg), jax.random.key(0))
-    shardings = sharding.tree_shardings(mesh, nn.get_partition_spec(boxed))
+    """Abstract generator params on `mesh` as the engine holds them: split per layer
+    (model_lib.split_layers), the body in cfg.dtype, the LM head float32 when cfg.fp32_lm_head
+    (what the trainer pushes, resharded and cast)."""
+    shapes = jax.eval_shape(lambda: model_lib.split_layers(nn.unbox(model_lib.init_params(cfg, jax.random.key(0)))))
+    shardings = engine.split_param_shardings(cfg, mesh)
     body = model_lib.DTYPES[cfg.dtype]
 
     def leaf(path, x, s):
@@ -247,13 +249,13 @@ def gen_params_abstract(cfg: model_lib.ModelConfig, mesh):
         dtype = jnp.float32 if keep_f32 else (body if x.dtype == jnp.float32 else x.dtype)
         return jax.ShapeDtypeStruct(x.shape, dtype, sharding=s)
 
-    return jax.tree_util.tree_map_with_path(leaf, nn.unbox(boxed), shardings), shardings
+    return jax.tree_util.tree_map_with_path(leaf, shapes, shardings), shardings
 
 
-def cache_shardings(mesh):
+def cache_shardings(mesh, n_layers):
     batch = sharding.logical_sharding
-    return {"k": batch(mesh, (None, "batch", "cache_length", "kv_heads", "head_dim")),
-            "v": batch(mesh, (None, "batch", "cache_length", "kv_heads", "head_dim")),
+    kv = (batch(mesh, ("batch", "kv_heads", "cache_length", "head_dim")),) * n_layers
+    return {"k": kv, "v": kv,
             "valid": batch(mesh, ("batch", "cache_length")), "pos": batch(mesh, ("batch", "cache_length")),
             "index": batch(mesh, ("batch",))}
 
@@ -263,7 +265,7 @@ def decode_step(params, cache, token_B, pos_B, active_B, rng, *, cfg, temperatur
     logits_B1V, cache = model_lib.Decoder(cfg).apply({"params": params}, token_B[:, None], pos_B[:, None],
                                                      active_B[:, None], cache)
     scaled_BV = logits_B1V[:, 0].astype(jnp.float32) / temperature
-    next_B = jax.random.categorical(rng, scaled_BV).astype(jnp.int32)
+    next_B = sampler.categorical(rng, scaled_BV)
     logp_B = jnp.take_along_axis(jax.nn.log_softmax(scaled_BV), next_B[:, None], axis=1)[:, 0]
     return next_B, logp_B, cache
 
@@ -291,7 +293,7 @@ def compile_generation(config) -> list[dict]:
     chips, chips_per_replica = mesh.devices.size, mesh.devices.size // replicas
     params, param_sh = gen_params_abstract(cfg, mesh)
     cache = jax.eval_shape(lambda: model_lib.init_cache(cfg, rows, S))
-    cache_sh = cache_shardings(mesh)
+    cache_sh = cache_shardings(mesh, cfg.n_layers)
     row_sh = sharding.batch_sharding(mesh, 1)
     rep = sharding.replicated(mesh)
     fn = functools.partial(decode_step, cfg=cfg, temperature=rc.temperature)
@@ -323,7 +325,7 @@ def compile_generation(config) -> list[dict]:
     # Prefill: one prompt per replica into a prompt-length cache (JetStream prefill, then insert).
     Pl = config.task.max_prompt_len
     fn = functools.partial(prefill_step, cfg=cfg, cache_len=Pl)
-    pre_cache_sh = cache_shardings(mesh)
+    pre_cache_sh = cache_shardings(mesh, cfg.n_layers)
     jitted = jax.jit(fn, in_shardings=(param_sh, row_sh, row_sh), out_shardings=pre_cache_sh)
     t0 = time.time()
     with _compile_errors("prefill", tpu.gen_topology, capacity), _mesh_context(mesh):

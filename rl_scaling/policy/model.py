@@ -124,7 +124,7 @@ class Attention(nn.Module):
     cfg: ModelConfig
 
     @nn.compact
-    def __call__(self, x_BTD, positions_BT, masks, cache_kv, cache_index_B, is_nope=None, layer_idx=0):
+    def __call__(self, x_BTD, positions_BT, masks, cache_kv, cache_index_B, is_nope=None):
         """is_nope: None (every layer RoPE, global mask) or a traced bool (Llama 4: NoPE and the
         global mask on this layer, else RoPE and the chunked "local" mask); q, k and the mask are
         selected elementwise, so attention runs once either way."""
@@ -156,20 +156,20 @@ class Attention(nn.Module):
         select = lambda ms: ms[0] if len(ms) == 1 else jnp.where(is_nope, ms[1], ms[0])  # noqa: E731
 
         if cache_kv is not None:
-            # cache_kv: all layers' [L, B, S, K, H] keys/values (the scan's carry, so XLA updates it
-            # in place); write this layer's new ones at each row's own offset, read this layer's.
+            # cache_kv: this layer's own [B, K, S, H] keys and values (separate buffers per layer,
+            # so reading one never copies it out of a stack; heads before slots, so the attention
+            # matmuls need no transpose); write the new ones at each row's own offset.
             B, T = k_BTKH.shape[:2]
             rows_BT = jnp.broadcast_to(jnp.arange(B)[:, None], (B, T))
             slots_BT = cache_index_B[:, None] + jnp.arange(T)[None, :]
 
-            def write(c, u):
-                return c.at[layer_idx, rows_BT, slots_BT].set(u.astype(c.dtype), mode="promise_in_bounds")
+            def write(c, u_BTKH):
+                return c.at[rows_BT, :, slots_BT].set(u_BTKH.astype(c.dtype), mode="promise_in_bounds")
 
-            k_cache, v_cache = write(cache_kv[0], k_BTKH), write(cache_kv[1], v_BTKH)
-            k_BSKH, v_BSKH = k_cache[layer_idx].astype(dtype), v_cache[layer_idx].astype(dtype)
-            new_cache_kv = (k_cache, v_cache)
+            new_cache_kv = (write(cache_kv[0], k_BTKH), write(cache_kv[1], v_BTKH))
+            k_BKSH, v_BKSH = (c.astype(dtype) for c in new_cache_kv)
         else:
-            k_BSKH, v_BSKH, new_cache_kv = k_BTKH, v_BTKH, None
+            k_BKSH, v_BKSH, new_cache_kv = k_BTKH.swapaxes(1, 2), v_BTKH.swapaxes(1, 2), None
 
         B, T = x_BTD.shape[:2]
         q_BTKGH = q_BTNH.reshape(B, T, K, G, H)
@@ -178,11 +178,11 @@ class Attention(nn.Module):
             n, pad = -(-T // C), -T % C
             split = lambda x: jnp.pad(x, [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2)).reshape(  # noqa: E731
                 (B, n, C) + x.shape[2:]).swapaxes(0, 1)
-            block = jax.checkpoint(lambda q, ms: _attend(q, k_BSKH, v_BSKH, select(ms), dtype))
+            block = jax.checkpoint(lambda q, ms: _attend(q, k_BKSH, v_BKSH, select(ms), dtype))
             out_nBCKGH = jax.lax.map(lambda qm: block(*qm), (split(q_BTKGH), tuple(map(split, masks))))
             out_BTKGH = out_nBCKGH.swapaxes(0, 1).reshape(B, n * C, K, G, H)[:, :T]
         else:
-            out_BTKGH = _attend(q_BTKGH, k_BSKH, v_BSKH, select(masks), dtype)
+            out_BTKGH = _attend(q_BTKGH, k_BKSH, v_BKSH, select(masks), dtype)
         out_BTNH = out_BTKGH.reshape(B, T, cfg.n_heads, H)
         out_BTD = nn.DenseGeneral(
             cfg.d_model, axis=(-2, -1), dtype=dtype, param_dtype=pdtype, use_bias=False, name="o",
@@ -191,13 +191,13 @@ class Attention(nn.Module):
         return out_BTD, new_cache_kv
 
 
-def _attend(q_BTKGH, k_BSKH, v_BSKH, mask_BTS, dtype):
+def _attend(q_BTKGH, k_BKSH, v_BKSH, mask_BTS, dtype):
     """Softmax attention of T queries over S keys; scores and softmax in float32."""
-    scores = jnp.einsum("btkgh,bskh->bkgts", q_BTKGH, k_BSKH, preferred_element_type=jnp.float32)
+    scores = jnp.einsum("btkgh,bksh->bkgts", q_BTKGH, k_BKSH, preferred_element_type=jnp.float32)
     scores = scores * (q_BTKGH.shape[-1] ** -0.5)
     scores = jnp.where(mask_BTS[:, None, None], scores, jnp.finfo(jnp.float32).min)
     probs = jax.nn.softmax(scores, axis=-1).astype(dtype)
-    return jnp.einsum("bkgts,bskh->btkgh", probs, v_BSKH)
+    return jnp.einsum("bkgts,bksh->btkgh", probs, v_BKSH)
 
 
 def _l2_norm(x, eps):
@@ -232,14 +232,14 @@ class Block(nn.Module):
     def __call__(self, carry, layer_idx, positions_BT, masks, cache_index_B):
         cfg = self.cfg
         dtype = DTYPES[cfg.dtype]
-        x_BTD, cache_kv = carry  # cache_kv: None (training) or every layer's (k, v), updated in place
+        x_BTD, cache_kv = carry  # cache_kv: None (training) or this layer's (k, v)
         x_BTD = sharding.constrain(x_BTD, ("batch", "length", "embed"))
         h_BTD = RMSNorm(cfg.norm_eps, dtype, name="attn_norm")(x_BTD)
         attn = Attention(cfg, name="attn")
         # Llama 4: every n-th layer has no RoPE and attends globally; the others are chunked.
         # The layer index is a traced scan input: Attention selects q, k and the mask.
         is_nope = (layer_idx + 1) % cfg.nope_layer_interval == 0 if cfg.nope_layer_interval else None
-        attn_BTD, cache_kv = attn(h_BTD, positions_BT, masks, cache_kv, cache_index_B, is_nope, layer_idx)
+        attn_BTD, cache_kv = attn(h_BTD, positions_BT, masks, cache_kv, cache_index_B, is_nope)
         x_BTD = x_BTD + attn_BTD
         h_BTD = RMSNorm(cfg.norm_eps, dtype, name="mlp_norm")(x_BTD)
         if cfg.num_experts:
@@ -278,7 +278,6 @@ class Decoder(nn.Module):
             cache_index_B = None
             q_slot_BT = jnp.broadcast_to(jnp.arange(T), (B, T))
             valid_BS, kv_slot_S, kv_pos_BS = token_mask_BT, jnp.arange(T), positions_BT
-            layer_kv = None
             new_valid = None
         else:
             cache_index_B = cache["index"]
@@ -288,7 +287,6 @@ class Decoder(nn.Module):
             new_valid = write(cache["valid"], token_mask_BT, cache_index_B)
             new_pos = write(cache["pos"], positions_BT.astype(cache["pos"].dtype), cache_index_B)
             valid_BS, kv_slot_S, kv_pos_BS = new_valid, jnp.arange(S), new_pos
-            layer_kv = (cache["k"], cache["v"])
         causal_BTS = kv_slot_S[None, None, :] <= q_slot_BT[:, :, None]
         global_BTS = causal_BTS & valid_BS[:, None, :]
         masks = {"global": global_BTS}
@@ -297,18 +295,37 @@ class Decoder(nn.Module):
             same_chunk = (kv_pos_BS[:, None, :] // chunk) == (positions_BT[:, :, None] // chunk)
             masks["local"] = global_BTS & same_chunk
 
-        block = Block
-        if cfg.remat:
-            block = nn.remat(Block, prevent_cse=False, static_argnums=())
-        layers = nn.scan(
-            block,
-            variable_axes={"params": 0, "intermediates": 0},
-            split_rngs={"params": True},
-            in_axes=(0, nn.broadcast, nn.broadcast, nn.broadcast),
-            length=cfg.n_layers,
-            metadata_params={nn.PARTITION_NAME: "layers"},
-        )(cfg, name="layers")
-        (x_BTD, new_kv), _ = layers((x_BTD, layer_kv), jnp.arange(cfg.n_layers), positions_BT, masks, cache_index_B)
+        if cache is None:  # training and scoring: one scanned layer, compiled once
+            block = Block
+            if cfg.remat:
+                block = nn.remat(Block, prevent_cse=False, static_argnums=())
+            layers = nn.scan(
+                block,
+                variable_axes={"params": 0, "intermediates": 0},
+                split_rngs={"params": True},
+                in_axes=(0, nn.broadcast, nn.broadcast, nn.broadcast),
+                length=cfg.n_layers,
+                metadata_params={nn.PARTITION_NAME: "layers"},
+            )(cfg, name="layers")
+            (x_BTD, _), _ = layers((x_BTD, None), jnp.arange(cfg.n_layers), positions_BT, masks, None)
+        else:
+            # Decoding: layer by layer over per-layer cache buffers. A scan would slice (copy) the
+            # layer's cache and weights out of the stacks at every step; the weights may come
+            # pre-split (`split_layers`, once per sampling call) so their slices are not copied
+            # per step either.
+            stacked = self.variables["params"]["layers"]
+            new_k, new_v = [], []
+            for i in range(cfg.n_layers):
+                layer_params = stacked[i] if isinstance(stacked, (list, tuple)) else jax.tree.map(lambda p: p[i], stacked)
+                (x_BTD, (k, v)), _ = Block(cfg).apply({"params": layer_params}, (x_BTD, (cache["k"][i], cache["v"][i])),
+                                                      i, positions_BT, masks, cache_index_B)
+                # The scan's carry stores the residual stream in cfg.dtype between layers; without
+                # the barrier XLA fuses across layers and skips that rounding, and a bfloat16
+                # generator would drift from the trainer's recompute of its log-probs.
+                x_BTD = jax.lax.optimization_barrier(x_BTD)
+                new_k.append(k)
+                new_v.append(v)
+            new_kv = (tuple(new_k), tuple(new_v))
         x_BTD = RMSNorm(cfg.norm_eps, dtype, name="final_norm")(x_BTD)
 
         if cfg.tie_embeddings:
@@ -339,16 +356,25 @@ def lm_head(x_BTD, kernel_DV, cfg: ModelConfig):
 
 
 def init_cache(cfg: ModelConfig, batch: int, length: int, dtype=None):
-    """An empty KV cache: [L, B, S, K, H] keys and values plus per-slot bookkeeping."""
+    """An empty KV cache: per layer [B, K, S, H] keys and values (tuples of n_layers arrays),
+    plus per-slot bookkeeping."""
     dtype = dtype or DTYPES[cfg.dtype]
-    shape = (cfg.n_layers, batch, length, cfg.n_kv_heads, cfg.head_dim)
+    shape = (batch, cfg.n_kv_heads, length, cfg.head_dim)
     return {
-        "k": jnp.zeros(shape, dtype),
-        "v": jnp.zeros(shape, dtype),
+        "k": tuple(jnp.zeros(shape, dtype) for _ in range(cfg.n_layers)),
+        "v": tuple(jnp.zeros(shape, dtype) for _ in range(cfg.n_layers)),
         "valid": jnp.zeros((batch, length), bool),
         "pos": jnp.zeros((batch, length), jnp.int32),
         "index": jnp.zeros((batch,), jnp.int32),
     }
+
+
+def split_layers(params):
+    """Params with the stacked [L, ...] layer weights split into a tuple of per-layer trees, for
+    decoding (`Decoder` with a cache takes either form)."""
+    stacked = params["layers"]
+    n = jax.tree.leaves(stacked)[0].shape[0]
+    return {**params, "layers": tuple(jax.tree.map(lambda p: p[i], stacked) for i in range(n))}
 
 
 def positions_from_mask(token_mask_BT):

@@ -53,6 +53,7 @@ from flax import linen as nn
 
 from rl_scaling import sharding
 from rl_scaling.policy import model as model_lib
+from rl_scaling.rollout import sampler
 from rl_scaling.rollout.jetstream_compat import engine_api, tokenizer_api, tokenizer_pb2
 
 log = logging.getLogger(__name__)
@@ -108,6 +109,14 @@ def param_shardings(cfg: model_lib.ModelConfig, mesh):
     return sharding.tree_shardings(mesh, nn.get_partition_spec(boxed))
 
 
+def split_param_shardings(cfg: model_lib.ModelConfig, mesh):
+    """Shardings of `model_lib.split_layers(params)`: each layer's tree without the layer axis."""
+    stacked = param_shardings(cfg, mesh)
+    layer = jax.tree.map(lambda s: jax.sharding.NamedSharding(s.mesh, jax.sharding.PartitionSpec(*s.spec[1:])),
+                         stacked["layers"])
+    return {**stacked, "layers": (layer,) * cfg.n_layers}
+
+
 class _CharTokenizer(tokenizer_api.Tokenizer):
     """JetStream's tokenizer interface over the project's tokenizers (for the stock Driver)."""
 
@@ -152,10 +161,9 @@ class PolicyEngine(engine_api.Engine):
         self.interrupt = Interrupt(tuple(int(t) for t in interrupt.phrase), *map(int, interrupt[1:])) if interrupt else None
         self.param_shardings = param_shardings(cfg, mesh)
         ls = functools.partial(sharding.logical_sharding, mesh)
-        cache_sh = {"k": ls(("layers", "batch", "cache_length", "kv_heads", "head_dim")),
-                    "valid": ls(("batch", "cache_length")), "pos": ls(("batch", "cache_length")),
+        kv = (ls(("batch", "kv_heads", "cache_length", "head_dim")),) * cfg.n_layers  # one buffer per layer
+        cache_sh = {"k": kv, "v": kv, "valid": ls(("batch", "cache_length")), "pos": ls(("batch", "cache_length")),
                     "index": ls(("batch",))}
-        cache_sh["v"] = cache_sh["k"]
         row = ls(("batch",))
         self.state_shardings = {"cache": cache_sh, "step": sharding.replicated(mesh),
                                 **{k: row for k in ("token", "pos_next", "active", "length", "budget", "think_ended",
@@ -169,7 +177,9 @@ class PolicyEngine(engine_api.Engine):
             _JITTED[key] = (jax.jit(self._prefill_impl, out_shardings=rep),
                             jax.jit(self._insert_impl, out_shardings=self.state_shardings, donate_argnums=1),
                             jax.jit(self._generate_impl, out_shardings=(self.state_shardings, rep), donate_argnums=1),
-                            jax.jit(_copy_tree, out_shardings=self.param_shardings))
+                            # the engine keeps its weights split per layer, so a decode step never
+                            # copies a layer's weights out of the stacks (model_lib.split_layers)
+                            jax.jit(model_lib.split_layers, out_shardings=split_param_shardings(cfg, mesh)))
         self._prefill_fn, self._insert_fn, self._generate_fn, self._copy_fn = _JITTED[key]
 
     # ---- jitted bodies -------------------------------------------------------------
@@ -191,7 +201,8 @@ class PolicyEngine(engine_api.Engine):
             return jax.lax.dynamic_update_slice_in_dim(dst, src.astype(dst.dtype), slot, axis)
 
         c, p = state["cache"], prefix["cache"]
-        cache = {"k": put(c["k"], p["k"], 1), "v": put(c["v"], p["v"], 1), "valid": put(c["valid"], p["valid"], 0),
+        cache = {"k": tuple(put(a, b, 0) for a, b in zip(c["k"], p["k"])),
+                 "v": tuple(put(a, b, 0) for a, b in zip(c["v"], p["v"])), "valid": put(c["valid"], p["valid"], 0),
                  "pos": put(c["pos"], p["pos"], 0), "index": put(c["index"], p["index"], 0)}
         if self.interrupt:
             key = jax.random.fold_in(jax.random.fold_in(jax.random.key(seed), state["step"]), slot + (1 << 20))
@@ -211,7 +222,7 @@ class PolicyEngine(engine_api.Engine):
                                         active_S[:, None], state["cache"])
         scaled_SV = logits_S1V[:, 0].astype(jnp.float32) / self.temperature
         key = jax.random.fold_in(jax.random.key(seed), state["step"])
-        token_S = jax.random.categorical(key, scaled_SV).astype(jnp.int32)
+        token_S = sampler.categorical(key, scaled_SV)
         forced_left, answer_left, think_ended = state["forced_left"], state["answer_left"], state["think_ended"]
         forcing_S = jnp.zeros_like(active_S)
         if self.interrupt:  # the same rules as sampler.sample, per slot (t = tokens this slot generated so far)
