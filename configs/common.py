@@ -71,7 +71,7 @@ def base_config() -> ml_collections.ConfigDict:
         preset="",
         vocab_size=64, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=16, mlp_dim=192,
         rope_theta=10000.0, norm_eps=1e-5, dtype="float32", param_dtype="float32", tie_embeddings=False,
-        remat=False, num_experts=0, num_experts_per_tok=1, moe_mlp_dim=0, shared_expert=True,
+        remat=False, scan_layers=False, num_experts=0, num_experts_per_tok=1, moe_mlp_dim=0, shared_expert=True,
     ))
 
     c.rollout = ml_collections.ConfigDict(dict(

@@ -24,6 +24,9 @@ def get_config(arg=None):
     samples, evals = int(args.pop("samples", 1000 * 32 * 8)), int(args.pop("evals", 20))
     if samples <= 0 or evals <= 0:
         raise ValueError(f"config args samples={samples} and evals={evals} must be positive")
+    # On CPU, 8 microbatches (of 32 sequences by default; the gradient is the same) keep the
+    # activations in cache: twice the train step's speed of one 256-sequence batch.
+    config.rl.grad_accum = 8
     per_step = config.rollout.prompts_per_step * config.rollout.samples_per_prompt
     config.steps = max(1, -(-samples // per_step))
     config.eval_every = config.checkpoint_every = max(1, config.steps // evals)

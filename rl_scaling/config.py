@@ -33,12 +33,14 @@ def validate(config) -> None:
     if config.rollout.samples_per_prompt < 2:
         raise ValueError("config.rollout.samples_per_prompt must be at least 2: advantages compare samples of a prompt")
     _positive(config, "rl.grad_accum")
-    split = config.rl.num_minibatches * config.rl.grad_accum
-    if config.rollout.prompts_per_step % split:
+    P, M, A = config.rollout.prompts_per_step, config.rl.num_minibatches, config.rl.grad_accum
+    if P % M:  # minibatches of whole prompts (advantages and aggregation are per prompt)
+        raise ValueError(f"config.rollout.prompts_per_step={P} must be divisible by config.rl.num_minibatches={M}")
+    if (P // M * config.rollout.samples_per_prompt) % A:  # microbatches of whole samples
         raise ValueError(
-            f"config.rollout.prompts_per_step={config.rollout.prompts_per_step} must be divisible by "
-            f"config.rl.num_minibatches x config.rl.grad_accum = {split}"
-        )
+            f"the {P // M * config.rollout.samples_per_prompt} samples of a minibatch (config.rollout.prompts_per_step "
+            f"/ config.rl.num_minibatches x config.rollout.samples_per_prompt) must be divisible by "
+            f"config.rl.grad_accum={A}")
     if config.rollout.temperature != config.rl.temperature:
         raise ValueError("config.rl.temperature must equal config.rollout.temperature (the IS ratio needs the same policy)")
     recipe_switches(config)

@@ -21,6 +21,7 @@ def tiny_tpu_config(**tpu):
     config = tiny.get_config()
     config.rollout.prompts_per_step, config.rollout.samples_per_prompt = 4, 4
     config.rollout.engine_slots = 8
+    config.rl.grad_accum = 1
     config.tpu.train_topology = config.tpu.gen_topology = "v5e:2x2"
     config.tpu.gen_mesh = dict(data=2, fsdp=1, tensor=2, expert=1)
     config.mesh.fsdp = -1

@@ -119,7 +119,7 @@ def config_from_hf(path: str, **overrides) -> M.ModelConfig:
 
 
 # Fields that are choices of how to run the model, not part of the checkpoint's architecture.
-_RUN_FIELDS = ("dtype", "param_dtype", "fp32_lm_head", "remat", "attn_query_chunk", "moe_impl",
+_RUN_FIELDS = ("dtype", "param_dtype", "fp32_lm_head", "remat", "scan_layers", "attn_query_chunk", "moe_impl",
                "router_aux_loss_coef")
 
 

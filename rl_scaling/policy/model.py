@@ -46,6 +46,11 @@ class ModelConfig:
     fp32_lm_head: bool = True  # logits in float32 even when the body runs in bfloat16
     tie_embeddings: bool = False
     remat: bool = False
+    # Training: False runs the layers one after another (dense models; the params stay stacked)
+    # instead of a scan, which saves XLA:CPU the zero-filled stacks of saved activations and
+    # their per-layer slices (~20% of a small model's train step) at the cost of compile time
+    # that grows with depth. Decoding always runs layer by layer.
+    scan_layers: bool = True
     # >0: attention runs over blocks of this many queries under jax.checkpoint, so the
     # [T, S] scores of a long sequence never exist at once (16k-token RL sequences)
     attn_query_chunk: int = 0
@@ -218,9 +223,14 @@ class SwiGLU(nn.Module):
             return nn.Dense(features, dtype=dtype, param_dtype=pdtype, use_bias=False, name=name,
                             kernel_init=nn.with_logical_partitioning(_dense_init(), axes))
 
-        gate_BTF = dense("gate", self.hidden, ("embed", "mlp"))(x_BTD)
-        up_BTF = dense("up", self.hidden, ("embed", "mlp"))(x_BTD)
-        return dense("down", cfg.d_model, ("mlp", "embed"))(nn.silu(gate_BTF) * up_BTF)
+        # Tokens flattened to one axis: the weight gradients are then plain [N, D]^T @ [N, F]
+        # matmuls; with (batch, length) as two contracted axes XLA:CPU transposes the [N, F]
+        # activation gradients inside their elementwise fusions, which dominated the step.
+        x_ND = x_BTD.reshape(-1, x_BTD.shape[-1])
+        gate_NF = dense("gate", self.hidden, ("embed", "mlp"))(x_ND)
+        up_NF = dense("up", self.hidden, ("embed", "mlp"))(x_ND)
+        out_ND = dense("down", cfg.d_model, ("mlp", "embed"))(nn.silu(gate_NF) * up_NF)
+        return out_ND.reshape(x_BTD.shape[:-1] + (cfg.d_model,))
 
 
 class Block(nn.Module):
@@ -295,7 +305,8 @@ class Decoder(nn.Module):
             same_chunk = (kv_pos_BS[:, None, :] // chunk) == (positions_BT[:, :, None] // chunk)
             masks["local"] = global_BTS & same_chunk
 
-        if cache is None:  # training and scoring: one scanned layer, compiled once
+        unrolled = cache is not None or not (cfg.scan_layers or cfg.num_experts or self.is_initializing())
+        if not unrolled:  # training and scoring: one scanned layer, compiled once
             block = Block
             if cfg.remat:
                 block = nn.remat(Block, prevent_cse=False, static_argnums=())
@@ -308,23 +319,32 @@ class Decoder(nn.Module):
                 metadata_params={nn.PARTITION_NAME: "layers"},
             )(cfg, name="layers")
             (x_BTD, _), _ = layers((x_BTD, None), jnp.arange(cfg.n_layers), positions_BT, masks, None)
+            new_kv = None
         else:
-            # Decoding: layer by layer over per-layer cache buffers. A scan would slice (copy) the
-            # layer's cache and weights out of the stacks at every step; the weights may come
-            # pre-split (`split_layers`, once per sampling call) so their slices are not copied
-            # per step either.
+            # Layer by layer over the same stacked params. Decoding: over per-layer cache buffers,
+            # since a scan would slice (copy) the layer's cache and weights out of the stacks at
+            # every step; the weights may come pre-split (`split_layers`, once per sampling
+            # call) so their slices are not copied per step either.
+            def run_layer(layer_params, x_BTD, kv, i):
+                (x_BTD, kv), _ = Block(cfg).apply({"params": layer_params}, (x_BTD, kv), i, positions_BT, masks,
+                                                  cache_index_B)
+                return x_BTD, kv
+
+            if cfg.remat and cache is None:
+                run_layer = jax.checkpoint(run_layer, static_argnums=(3,), prevent_cse=False)
             stacked = self.variables["params"]["layers"]
             new_k, new_v = [], []
             for i in range(cfg.n_layers):
                 layer_params = stacked[i] if isinstance(stacked, (list, tuple)) else jax.tree.map(lambda p: p[i], stacked)
-                (x_BTD, (k, v)), _ = Block(cfg).apply({"params": layer_params}, (x_BTD, (cache["k"][i], cache["v"][i])),
-                                                      i, positions_BT, masks, cache_index_B)
+                kv = None if cache is None else (cache["k"][i], cache["v"][i])
+                x_BTD, kv = run_layer(layer_params, x_BTD, kv, i)
                 # The scan's carry stores the residual stream in cfg.dtype between layers; without
                 # the barrier XLA fuses across layers and skips that rounding, and a bfloat16
                 # generator would drift from the trainer's recompute of its log-probs.
                 x_BTD = jax.lax.optimization_barrier(x_BTD)
-                new_k.append(k)
-                new_v.append(v)
+                if kv is not None:
+                    new_k.append(kv[0])
+                    new_v.append(kv[1])
             new_kv = (tuple(new_k), tuple(new_v))
         x_BTD = RMSNorm(cfg.norm_eps, dtype, name="final_norm")(x_BTD)
 
