@@ -1,6 +1,6 @@
 """The FP32 LM-head ablation is visible on CPU: with a bfloat16 body, the generator/trainer
 mismatch that rl_step logs (mean |rho - 1| on the first minibatch, before any update) is
-small when both LM heads run in float32 and tens of times larger when they do not."""
+small when both LM heads run in float32 and tens of times larger when the generator's does not."""
 
 import jax
 import jax.numpy as jnp
@@ -57,4 +57,9 @@ def test_fp32_heads_cut_the_mismatch_of_a_bfloat16_body():
 def test_mismatch_across_all_precision_settings():
     assert mismatch(_setup("float32", True), True) < 1e-5  # nothing to mismatch
     both_fp32 = mismatch(_setup("bfloat16", True), True)
-    assert mismatch(_setup("bfloat16", False), False) > 10 * both_fp32  # the ablation: no FP32 head anywhere
+    # No FP32 head anywhere: here generator and trainer run the same XLA computations (layer by
+    # layer, the residual stream rounded between layers on both sides), so their bfloat16 heads
+    # agree too; the mismatch FP32 heads remove comes from heads that differ, as above (on GPUs,
+    # from different inference and training kernels).
+    assert mismatch(_setup("bfloat16", False), False) < 3e-4
+    assert mismatch(_setup("bfloat16", True), False) > 10 * both_fp32
