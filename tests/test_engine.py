@@ -13,6 +13,7 @@ import pytest
 from rl_scaling import sharding
 from rl_scaling.rl import train_step as ts
 from rl_scaling.rollout import engine as engine_lib
+from rl_scaling.rollout import generator as generator_lib
 from rl_scaling.rollout.jetstream_compat import jetstream_pb2, orchestrator
 from rl_scaling.tasks.tokenizer import CharTokenizer
 from tests.conftest import TINY
@@ -54,11 +55,11 @@ def test_logprobs_through_engine_match_teacher_forced_recompute(engine, tiny_par
         engine = make_engine(sharding.make_mesh({"data": 2, "fsdp": 2, "tensor": 2}))
     holder = engine.load_params()
     holder.set(tiny_params, 3)
-    gen = engine_lib.Generator(engine, holder).start()
+    gen = generator_lib.Generator(engine, holder).start()
     try:
         prompts = ["<bos>045+007=<think>", "<bos>", "<bos>12*3=<think>"]  # 1-token prompt included
         # 3 groups x 3 samples on 4 slots: groups are split over slots and waves
-        gen.submit([engine_lib.GroupRequest(i, _prompt(p), 3) for i, p in enumerate(prompts)])
+        gen.submit([generator_lib.GroupRequest(i, _prompt(p), 3) for i, p in enumerate(prompts)])
         results = sorted((gen.results.get(timeout=120) for _ in prompts), key=lambda r: r.group_id)
         gen.check()
     finally:
@@ -150,8 +151,8 @@ def test_engine_fault_is_reported_not_fatal(mesh1, tiny_params):
     eng = make_engine(mesh1, _FailingEngine)
     holder = eng.load_params()
     holder.set(tiny_params, 0)
-    gen = engine_lib.Generator(eng, holder).start()
-    gen.submit([engine_lib.GroupRequest(0, _prompt("<bos>1+2=<think>"), 2)])
+    gen = generator_lib.Generator(eng, holder).start()
+    gen.submit([generator_lib.GroupRequest(0, _prompt("<bos>1+2=<think>"), 2)])
     deadline = time.time() + 60
     while gen.alive and time.time() < deadline:
         time.sleep(0.05)

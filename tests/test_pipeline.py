@@ -12,6 +12,7 @@ import pytest
 
 from rl_scaling import data, sharding, tasks
 from rl_scaling.rollout import engine as engine_lib
+from rl_scaling.rollout import generator as generator_lib
 from rl_scaling.rollout import pipeline as pipeline_lib
 from tests.conftest import TINY
 from tests.test_engine import make_engine
@@ -111,7 +112,7 @@ class _Scripted:
         req = next(r for r in self.submitted if r.group_id == gid)
         versions = np.full((G, T), v_last if v_last is not None else v_first, np.int32)
         versions[:, 0] = v_first
-        self.done.append(engine_lib.GroupResult(gid, req.prompt, np.full((G, T), 5, np.int32),
+        self.done.append(generator_lib.GroupResult(gid, req.prompt, np.full((G, T), 5, np.int32),
                                                 np.full((G, T), -1.0, np.float32), versions,
                                                 np.full((G,), T, np.int32), np.zeros((G,), bool), np.zeros((G, T), bool)))
 

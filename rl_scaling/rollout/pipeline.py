@@ -1,6 +1,6 @@
 """PipelineRL-k: rollouts generated continuously, trained on as they arrive.
 
-    trainer (main thread)                              generator (engine.Generator thread,
+    trainer (main thread)                              generator (generator.Generator thread,
       next_batch():                                    in this process or in launch/serve.py)
         top up prompt groups (bounded: queue_size) --->  prefill once per group, G slots,
         <--- finished groups, every token tagged          generate with whatever weights
@@ -82,10 +82,10 @@ class EmbeddedBackend:
     devices = 0  # accelerators beyond jax.devices() (the engine's are among them, already counted)
 
     def __init__(self, engine, holder):
-        from rl_scaling.rollout import engine as engine_lib
+        from rl_scaling.rollout import generator as generator_lib
 
         self.engine, self.holder = engine, holder
-        self.generator = engine_lib.Generator(engine, holder).start()
+        self.generator = generator_lib.Generator(engine, holder).start()
 
     def submit(self, requests):
         self.generator.submit(requests)
@@ -173,7 +173,7 @@ class Pipeline:
     # ---- prompts in ------------------------------------------------------------------
     def _top_up(self):
         requests = []
-        from rl_scaling.rollout.engine import GroupRequest
+        from rl_scaling.rollout.generator import GroupRequest
 
         while len(self._outstanding) < self.capacity:
             if not self._problems:
@@ -380,7 +380,6 @@ def from_config(config, task, stream, gen_cfg, params, version: int) -> Pipeline
 def make_engine(config, gen_cfg, tokenizer, devices):
     """A PolicyEngine on a mesh over `devices` (fsdp over all of them) and its weight holder."""
     from rl_scaling.rollout import engine as engine_lib
-
     from rl_scaling.rollout import length_control
 
     rc = config.rollout

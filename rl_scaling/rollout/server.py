@@ -47,7 +47,7 @@ import numpy as np
 from flax import linen as nn
 
 from rl_scaling.policy import model as model_lib
-from rl_scaling.rollout import engine as engine_lib
+from rl_scaling.rollout import generator as generator_lib
 from rl_scaling.rollout.pipeline import RolloutError
 
 log = logging.getLogger(__name__)
@@ -123,7 +123,7 @@ class RolloutServer:
     def __init__(self, engine, holder, *, host: str = "127.0.0.1", port: int = 0, fingerprint: dict | None = None,
                  resend_s: float = 10.0, threads: int = 8):
         self.engine, self.holder = engine, holder
-        self.generator = engine_lib.Generator(engine, holder).start()
+        self.generator = generator_lib.Generator(engine, holder).start()
         self.instance = uuid.uuid4().hex
         self.fingerprint = fingerprint or {}
         self.resend_s = resend_s
@@ -192,7 +192,7 @@ class RolloutServer:
                 self._session = meta["session"]
                 self.generator.reset()
                 self._completed.clear()
-        reqs = [engine_lib.GroupRequest(g["id"], arrays[f"prompt_{g['id']}"].astype(np.int32), int(g["num_samples"]),
+        reqs = [generator_lib.GroupRequest(g["id"], arrays[f"prompt_{g['id']}"].astype(np.int32), int(g["num_samples"]),
                                         int(g["min_version"])) for g in meta["groups"]]
         self.generator.submit(reqs)
         return pack({"accepted": len(reqs), "instance": self.instance})
@@ -261,7 +261,7 @@ class RemoteBackend:
                        for name in ("Health", "Submit", "Fetch")}
         self._push = self._channel.stream_unary(f"/{SERVICE}/PushWeights", request_serializer=ident,
                                                 response_deserializer=ident)
-        self._outstanding: dict[int, engine_lib.GroupRequest] = {}  # submitted, not yet received
+        self._outstanding: dict[int, generator_lib.GroupRequest] = {}  # submitted, not yet received
         self._ack: list[int] = []
         self._latest = None  # (params, version) to push again after a server restart
         self._stats = {"busy_s": 0.0, "idle_s": 0.0, "steps": 0, "slot_steps": 0, "tokens": 0, "slots": 1}
@@ -353,7 +353,7 @@ class RemoteBackend:
             gid = g["id"]
             self._ack.append(gid)
             self._outstanding.pop(gid, None)
-            out.append(engine_lib.GroupResult(gid, *(arrays[f"{n}_{gid}"] for n in RESULT_FIELDS)))
+            out.append(generator_lib.GroupResult(gid, *(arrays[f"{n}_{gid}"] for n in RESULT_FIELDS)))
         return out
 
     def push_weights(self, params, version: int):
