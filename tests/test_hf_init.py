@@ -4,6 +4,8 @@ configured model), launch/convert.py imports it into Orbax params and exports a 
 checkpoint, and transformers' logits on the export equal ours on the checkpoint."""
 
 import os
+import subprocess
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -17,7 +19,7 @@ from launch import convert  # noqa: E402
 from rl_scaling import checkpoint, config as config_lib, sharding, train  # noqa: E402
 from rl_scaling.policy import hf_io  # noqa: E402
 from rl_scaling.policy import model as M  # noqa: E402
-from tests.test_run import fast_config, read_jsonl  # noqa: E402
+from tests.test_run import ROOT, fast_config, read_jsonl  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -87,3 +89,9 @@ def test_rl_from_hf_weights_then_export_to_transformers(hf_dir, tmp_path):
     with torch.no_grad():
         theirs = hf(torch.tensor(toks)).logits.numpy()
     assert np.abs(ours - theirs).max() <= 1e-4
+
+    # The eval-and-fit loop takes its step-0 point from the HF weights (no warm start here).
+    cmd = [sys.executable, os.path.join(ROOT, "launch", "eval_fit.py"), f"--workdir={workdir}", "--once", "--axis=steps"]
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=dict(os.environ, XLA_FLAGS=""))
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert [r["step"] for r in read_jsonl(os.path.join(workdir, "eval_fit", "evals.jsonl"))] == [0, 2]
