@@ -247,7 +247,8 @@ class Block(nn.Module):
         h_BTD = RMSNorm(cfg.norm_eps, dtype, name="attn_norm")(x_BTD)
         attn = Attention(cfg, name="attn")
         # Llama 4: every n-th layer has no RoPE and attends globally; the others are chunked.
-        # The layer index is a traced scan input: Attention selects q, k and the mask.
+        # The layer index is a traced scan input (or a Python int when the layers run one by one):
+        # Attention selects q, k and the mask.
         is_nope = (layer_idx + 1) % cfg.nope_layer_interval == 0 if cfg.nope_layer_interval else None
         attn_BTD, cache_kv = attn(h_BTD, positions_BT, masks, cache_kv, cache_index_B, is_nope)
         x_BTD = x_BTD + attn_BTD
