@@ -135,25 +135,23 @@ def global_batch(batch: dict, mesh, replicated_keys=("rewards",), rows_given: st
     return out
 
 
-def _mesh_of(like):
+def _mesh_of(like, required: bool = True):
     for leaf in jax.tree.leaves(like):
         mesh = getattr(getattr(leaf, "sharding", None), "mesh", None)
         if mesh is not None:
             return mesh
-    raise ValueError("no array with a NamedSharding to take the mesh from")
+    if required:
+        raise ValueError("no array with a NamedSharding to take the mesh from")
+    return None
 
 
 def row_mesh(like, rows: int):
     """The mesh of `like` when `rows` sequences split evenly over its data axes and it has
     several devices (then a jitted sampler traces under it and each device decodes its own
     rows); None on one device or for rows that do not split (they are computed replicated)."""
-    if not multiprocess():
-        mesh = next((m for m in (getattr(getattr(x, "sharding", None), "mesh", None) for x in jax.tree.leaves(like))
-                     if m is not None), None)
-        if mesh is None or mesh.devices.size == 1:
-            return None
-    else:
-        mesh = _mesh_of(like)
+    mesh = _mesh_of(like, required=multiprocess())
+    if mesh is None or mesh.devices.size == 1:
+        return None
     spec = sharding.batch_sharding(mesh, 1).spec[0]
     shards = int(np.prod([mesh.shape[a] for a in (spec if isinstance(spec, tuple) else (spec,)) if a]))
     if rows % shards:

@@ -252,14 +252,6 @@ def gen_params_abstract(cfg: model_lib.ModelConfig, mesh):
     return jax.tree_util.tree_map_with_path(leaf, shapes, shardings), shardings
 
 
-def cache_shardings(mesh, n_layers):
-    batch = sharding.logical_sharding
-    kv = (batch(mesh, ("batch", "kv_heads", "cache_length", "head_dim")),) * n_layers
-    return {"k": kv, "v": kv,
-            "valid": batch(mesh, ("batch", "cache_length")), "pos": batch(mesh, ("batch", "cache_length")),
-            "index": batch(mesh, ("batch",))}
-
-
 def decode_step(params, cache, token_B, pos_B, active_B, rng, *, cfg, temperature):
     """One token for every row: the sampler's loop body (float32 logits, sample, log-prob)."""
     logits_B1V, cache = model_lib.Decoder(cfg).apply({"params": params}, token_B[:, None], pos_B[:, None],
@@ -293,7 +285,7 @@ def compile_generation(config) -> list[dict]:
     chips, chips_per_replica = mesh.devices.size, mesh.devices.size // replicas
     params, param_sh = gen_params_abstract(cfg, mesh)
     cache = jax.eval_shape(lambda: model_lib.init_cache(cfg, rows, S))
-    cache_sh = cache_shardings(mesh, cfg.n_layers)
+    cache_sh = engine.cache_shardings(cfg, mesh)
     row_sh = sharding.batch_sharding(mesh, 1)
     rep = sharding.replicated(mesh)
     fn = functools.partial(decode_step, cfg=cfg, temperature=rc.temperature)
@@ -303,7 +295,7 @@ def compile_generation(config) -> list[dict]:
     args = (params, cache, B((rows,), jnp.int32), B((rows,), jnp.int32), B((rows,), bool),
             jax.eval_shape(lambda: jax.random.key(0)))
     t0 = time.time()
-    with _compile_errors("decode", tpu.gen_topology, capacity), _mesh_context(mesh):
+    with _compile_errors("decode", tpu.gen_topology, capacity), sharding.tracing_mesh(mesh):
         compiled = jitted.lower(*args).compile()
     mem = _memory(compiled)
     mean_ctx = config.task.max_prompt_len + rc.max_new_tokens / 2.0
@@ -325,10 +317,10 @@ def compile_generation(config) -> list[dict]:
     # Prefill: one prompt per replica into a prompt-length cache (JetStream prefill, then insert).
     Pl = config.task.max_prompt_len
     fn = functools.partial(prefill_step, cfg=cfg, cache_len=Pl)
-    pre_cache_sh = cache_shardings(mesh, cfg.n_layers)
+    pre_cache_sh = engine.cache_shardings(cfg, mesh)
     jitted = jax.jit(fn, in_shardings=(param_sh, row_sh, row_sh), out_shardings=pre_cache_sh)
     t0 = time.time()
-    with _compile_errors("prefill", tpu.gen_topology, capacity), _mesh_context(mesh):
+    with _compile_errors("prefill", tpu.gen_topology, capacity), sharding.tracing_mesh(mesh):
         compiled = jitted.lower(params, B((replicas, Pl), jnp.int32), B((replicas, Pl), bool)).compile()
     f = _flop_parts(cfg, replicas * Pl, replicas * Pl * (Pl + 1) / 2.0)
     model = f["body"] + f["attn"]  # no LM head: the cache is all prefill keeps
@@ -339,11 +331,6 @@ def compile_generation(config) -> list[dict]:
                     "model_flops": model, "hw_flops": hw, "batch": f"{replicas} prompts of {Pl} tokens",
                     "time_roofline_s": hw / peak, "mfu_roofline": model / hw})
     return results
-
-
-def _mesh_context(mesh):
-    """The mesh for tracing: the MoE layer's shard_map reads it (a no-op for dense models)."""
-    return jax.sharding.use_abstract_mesh(mesh.abstract_mesh)
 
 
 # ---- report ------------------------------------------------------------------------------------

@@ -333,10 +333,11 @@ class Decoder(nn.Module):
 
             if cfg.remat and cache is None:
                 run_layer = jax.checkpoint(run_layer, static_argnums=(3,), prevent_cse=False)
-            stacked = self.variables["params"]["layers"]
+            per_layer = self.variables["params"]["layers"]
+            if not isinstance(per_layer, (list, tuple)):
+                per_layer = split_layers({"layers": per_layer})["layers"]
             new_k, new_v = [], []
-            for i in range(cfg.n_layers):
-                layer_params = stacked[i] if isinstance(stacked, (list, tuple)) else jax.tree.map(lambda p: p[i], stacked)
+            for i, layer_params in enumerate(per_layer):
                 kv = None if cache is None else (cache["k"][i], cache["v"][i])
                 x_BTD, kv = run_layer(layer_params, x_BTD, kv, i)
                 # The scan's carry stores the residual stream in cfg.dtype between layers; without

@@ -97,6 +97,14 @@ def param_shardings(cfg: model_lib.ModelConfig, mesh):
     return sharding.tree_shardings(mesh, nn.get_partition_spec(boxed))
 
 
+def cache_shardings(cfg: model_lib.ModelConfig, mesh):
+    """Shardings of `model_lib.init_cache`: rows over the data axes, one K and one V buffer per layer."""
+    ls = functools.partial(sharding.logical_sharding, mesh)
+    kv = (ls(("batch", "kv_heads", "cache_length", "head_dim")),) * cfg.n_layers
+    return {"k": kv, "v": kv, "valid": ls(("batch", "cache_length")), "pos": ls(("batch", "cache_length")),
+            "index": ls(("batch",))}
+
+
 def split_param_shardings(cfg: model_lib.ModelConfig, mesh):
     """Shardings of `model_lib.split_layers(params)`: each layer's tree without the layer axis."""
     stacked = param_shardings(cfg, mesh)
@@ -148,12 +156,8 @@ class PolicyEngine(engine_api.Engine):
         self.tokenizer = tokenizer
         self.interrupt = Interrupt(tuple(int(t) for t in interrupt.phrase), *map(int, interrupt[1:])) if interrupt else None
         self.param_shardings = param_shardings(cfg, mesh)
-        ls = functools.partial(sharding.logical_sharding, mesh)
-        kv = (ls(("batch", "kv_heads", "cache_length", "head_dim")),) * cfg.n_layers  # one buffer per layer
-        cache_sh = {"k": kv, "v": kv, "valid": ls(("batch", "cache_length")), "pos": ls(("batch", "cache_length")),
-                    "index": ls(("batch",))}
-        row = ls(("batch",))
-        self.state_shardings = {"cache": cache_sh, "step": sharding.replicated(mesh),
+        row = sharding.logical_sharding(mesh, ("batch",))
+        self.state_shardings = {"cache": cache_shardings(cfg, mesh), "step": sharding.replicated(mesh),
                                 **{k: row for k in ("token", "pos_next", "active", "length", "budget", "think_ended",
                                                     "forced_left", "answer_left")}}
         # Engines with the same static settings share compiled functions (bench and tests
