@@ -45,6 +45,8 @@ class Run:
     source: str
     axis: str
     stderr: np.ndarray | None = None
+    eval_samples: int | None = None  # prompts x samples per eval (config.json 'eval'), for the binomial noise
+    notes: tuple = ()  # what the loader repaired (re-logged evals, sorted rows)
 
 
 def _check_axis(axis):
@@ -52,12 +54,21 @@ def _check_axis(axis):
         raise ValueError(f"unknown compute axis {axis!r}; choose one of {AXES}")
 
 
+def _eval_samples(cfg):
+    """Samples behind one eval (num_prompts x samples_per_prompt of the config's 'eval'), or None."""
+    ev = cfg.get("eval") if isinstance(cfg, dict) else None
+    n, k = (ev.get("num_prompts"), ev.get("samples_per_prompt")) if isinstance(ev, dict) else (None, None)
+    ok = all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in (n, k))
+    return n * k if ok else None
+
+
 def _identity(workdir):
-    """(recipe, seed) of a workdir: config.json first, then the directory names."""
+    """(recipe, seed, eval samples) of a workdir: config.json first, then the directory names."""
     workdir = os.path.abspath(workdir)
     base, parent = os.path.basename(workdir), os.path.basename(os.path.dirname(workdir))
     m = _SEED_DIR.match(base)
     recipe, seed = (parent, m.group(1)) if m else (base, None)
+    n_eval = None
     cfg_path = os.path.join(workdir, "config.json")
     if os.path.isfile(cfg_path):
         try:
@@ -68,16 +79,33 @@ def _identity(workdir):
         if isinstance(cfg, dict):
             recipe = str(cfg.get("recipe", recipe))
             seed = str(cfg["seed"]) if cfg.get("seed") is not None else seed
-    return recipe, seed
+            n_eval = _eval_samples(cfg)
+    return recipe, seed, n_eval
 
 
-def _run(recipe, seed, c, y, err, source, axis, where, columns):
+def _run(recipe, seed, c, y, err, source, axis, where, columns, eval_samples=None, notes=()):
     c, y = check_curve(c, y, source, where=where, columns=columns)
     name = recipe if seed is None else f"{recipe}/seed{seed}"
     if err is not None and np.isnan(err).all():
         err = None
     return Run(name=name, recipe=recipe, seed=seed, compute=c, pass_rate=y, source=source, axis=axis,
-               stderr=err)
+               stderr=err, eval_samples=eval_samples, notes=tuple(notes))
+
+
+def _last_per_step(steps, cols, source):
+    """Keep the last record of each step (a resumed run logs the evals after its checkpoint again), in
+    step order. steps: step per record (None: not known, kept as is); cols: per-record lists to filter.
+    Returns the filtered lists and the notes."""
+    last = {s: i for i, s in enumerate(steps) if s is not None}
+    keep = [i for i, s in enumerate(steps) if s is None or last[s] == i]
+    if len(keep) == len(steps):
+        return cols, []
+    again = sorted({s for i, s in enumerate(steps) if s is not None and last[s] != i})
+    keep.sort(key=lambda i: (steps[i] is None, steps[i] if steps[i] is not None else 0, i))
+    shown = ", ".join(f"{s:g}" for s in again[:8]) + (" ..." if len(again) > 8 else "")
+    note = (f"{source}: {len(again)} step(s) have more than one eval record (a resumed run logs them "
+            f"again): the last record of each is used (steps {shown})")
+    return [[col[i] for i in keep] for col in cols], [note]
 
 
 def _number(value, where, column):
@@ -93,9 +121,10 @@ def load_jsonl(path, axis="flops", recipe=None, seed=None):
     """The trainer's metrics.jsonl: eval records are the lines with 'eval/pass_rate'."""
     _check_axis(axis)
     key, scale = _JSONL_AXIS[axis]
-    c, y, err, where = [], [], [], []
+    c, y, err, where, steps = [], [], [], [], []
     with open(path) as f:
         for lineno, line in enumerate(f, 1):
+            line = line.lstrip("\ufeff") if lineno == 1 else line  # a UTF-8 byte-order mark
             if not line.strip():
                 continue
             try:
@@ -112,11 +141,13 @@ def load_jsonl(path, axis="flops", recipe=None, seed=None):
             e = rec.get(STDERR_KEY)
             err.append(math.nan if e is None else _number(e, at, STDERR_KEY))
             where.append(at)
+            steps.append(_number(rec["step"], at, "step") if "step" in rec else None)
     if not c:
         raise ScalingDataError(f"{path}: no eval records (no line has '{PASS_KEY}')")
-    r, s = _identity(os.path.dirname(os.path.abspath(path)))
+    (c, y, err, where), notes = _last_per_step(steps, (c, y, err, where), str(path))
+    r, s, n_eval = _identity(os.path.dirname(os.path.abspath(path)))
     return [_run(recipe or r, seed if seed is not None else s, c, y, np.array(err), str(path), axis,
-                 where, (key, PASS_KEY))]
+                 where, (key, PASS_KEY), n_eval, notes)]
 
 
 def load_tensorboard(logdir, axis="flops", recipe=None, seed=None):
@@ -148,23 +179,24 @@ def load_tensorboard(logdir, axis="flops", recipe=None, seed=None):
     where = [f"{logdir}: step {int(s)}" for s in steps]
     # the trainer writes its events to WORKDIR/tb: the run's identity belongs to the workdir
     wd = os.path.dirname(os.path.abspath(logdir)) if os.path.basename(os.path.abspath(logdir)) == "tb" else logdir
-    r, s = _identity(wd)
+    r, s, n_eval = _identity(wd)
     return [_run(recipe or r, seed if seed is not None else s, c, y, None, str(logdir), axis, where,
-                 (col, PASS_KEY))]
+                 (col, PASS_KEY), n_eval)]
 
 
 def load_csv(path):
-    """CSV with columns compute, pass_rate and optional run, seed, stderr; rows of a run in compute order."""
+    """CSV with columns compute, pass_rate and optional run, seed, stderr; rows of a run in any order
+    (sorted by compute, with a note); a UTF-8 byte-order mark is accepted."""
     with open(path, newline="") as f:
         reader = csv.DictReader(f)
-        header = [h.strip() for h in (reader.fieldnames or [])]
+        header = [_column(h) for h in (reader.fieldnames or [])]
         for col in ("compute", "pass_rate"):
             if col not in header:
                 raise ScalingDataError(f"{path}: missing column '{col}' (header: {header})")
         stem = os.path.splitext(os.path.basename(path))[0]
         groups = {}
         for lineno, row in enumerate(reader, 2):
-            row = {(k or "").strip(): v for k, v in row.items()}
+            row = {_column(k): v for k, v in row.items()}
             at = f"{path}:{lineno}"
             vals = []
             for col in ("compute", "pass_rate"):
@@ -181,8 +213,23 @@ def load_csv(path):
                 lst.append(v)
     if not groups:
         raise ScalingDataError(f"{path}: no data rows")
-    return [_run(run, seed, c, y, np.array(e), str(path), "compute", where, ("compute", "pass_rate"))
-            for (run, seed), (c, y, e, where) in groups.items()]
+    return [_csv_run(run, seed, cols, str(path)) for (run, seed), cols in groups.items()]
+
+
+def _column(name):
+    return (name or "").lstrip("\ufeff").strip()
+
+
+def _csv_run(run, seed, cols, source):
+    """One CSV run with its rows sorted by compute (stable, so a repeated compute is still an error
+    naming its line), as refit() sorts its records."""
+    order = sorted(range(len(cols[0])), key=lambda i: cols[0][i])
+    notes = []
+    if order != list(range(len(order))):
+        label = run if seed is None else f"{run}/seed{seed}"
+        notes.append(f"{source}: the rows of '{label}' were not in compute order; sorted by compute")
+    c, y, e, where = ([col[i] for i in order] for col in cols)
+    return _run(run, seed, c, y, np.array(e), source, "compute", where, ("compute", "pass_rate"), None, notes)
 
 
 def load_inputs(paths, axis="flops"):
