@@ -40,6 +40,7 @@ def get_config(arg=None):
     config = dense_8b.get_config(arg)
     config.model = ml_collections.ConfigDict(dict(
         preset="scout", dtype="bfloat16", param_dtype="float32", remat=True, attn_query_chunk=1024,
+        router_aux_loss_coef=0.001,  # Switch load balancing, coef * E * sum_e f_e * P_e, mean over layers
     ))
     config.rl.grad_accum = 12
     config.rollout.engine_slots = 128

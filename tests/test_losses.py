@@ -71,7 +71,7 @@ def test_cispo_prompt_aggregation_value_and_grad(seed):
 
     def loss_fn(lp):
         per_tok = losses.cispo(lp, jnp.asarray(old_logp), jnp.asarray(adv), jnp.asarray(mask), eps_max=eps_max)
-        return losses.prompt_average(per_tok, jnp.asarray(mask), jnp.asarray(keep))
+        return losses.aggregate("prompt", per_tok, jnp.asarray(mask), jnp.asarray(keep))
 
     with jax.enable_x64(True):
         value, grad = jax.value_and_grad(loss_fn)(jnp.asarray(logp))
@@ -102,18 +102,7 @@ def test_cispo_matches_trl_per_token_formula():
 def test_zero_variance_prompts_get_no_gradient():
     logp, old_logp, mask, rewards = ragged_batch(3)
     adv, keep = losses.advantages(jnp.asarray(rewards))
-    grad = jax.grad(lambda lp: losses.prompt_average(
-        losses.cispo(lp, jnp.asarray(old_logp), adv, jnp.asarray(mask)), jnp.asarray(mask), keep))(jnp.asarray(logp))
+    grad = jax.grad(lambda lp: losses.aggregate(
+        "prompt", losses.cispo(lp, jnp.asarray(old_logp), adv, jnp.asarray(mask)), jnp.asarray(mask), keep))(jnp.asarray(logp))
     assert np.all(np.asarray(grad)[:2] == 0.0)  # prompts 0 and 1 have constant rewards
     assert np.abs(np.asarray(grad)[2:]).sum() > 0
-
-
-@pytest.mark.parametrize("name", ["prompt", "sample", "token"])
-def test_aggregation_weights_reproduce_the_aggregation(name):
-    logp, old_logp, mask, rewards = ragged_batch(5)
-    loss = np.random.default_rng(0).normal(size=logp.shape)
-    _, keep = np_advantages(rewards, "batch", True)
-    with jax.enable_x64(True):
-        w = losses.aggregation_weights(name, jnp.asarray(mask), jnp.asarray(keep))
-        expected = losses.AGGREGATIONS[name](jnp.asarray(loss), jnp.asarray(mask), jnp.asarray(keep))
-        assert np.isclose(float((w * loss).sum()), float(expected), rtol=1e-12)

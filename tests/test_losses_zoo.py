@@ -148,7 +148,7 @@ def jax_loss_and_grad(name, aggregation, logp, old_logp, adv, keep, mask, hp):
         per_tok = losses.LOSSES[name](lp, jnp.asarray(old_logp), jnp.asarray(adv), jnp.asarray(mask), **hp)
         if kl:
             per_tok = per_tok + kl * losses.kl_k3(lp, jnp.asarray(old_logp))
-        return losses.AGGREGATIONS[aggregation](per_tok, jnp.asarray(mask), jnp.asarray(keep))
+        return losses.aggregate(aggregation, per_tok, jnp.asarray(mask), jnp.asarray(keep))
 
     with jax.enable_x64(True):
         value, grad = jax.value_and_grad(loss_fn)(jnp.asarray(logp))
@@ -233,3 +233,38 @@ def test_kl_k3_value_and_grad():
     assert (v >= 0).all()
     with jax.enable_x64(True):
         assert float(losses.kl_k3(jnp.asarray(logp), jnp.asarray(logp)).sum()) == 0.0
+
+
+@pytest.mark.parametrize("case", list(LOSS_CASES))
+def test_clipped_tokens_are_those_without_an_unclipped_gradient(case):
+    """losses.clipped marks the tokens whose importance weight the active loss clips: a loop
+    over the loss's own rule (CISPO: rho > eps_max; PPO: flat side of the surrogate in the
+    advantage's direction; GSPO: the same with the sequence ratio; REINFORCE: none)."""
+    name, hp = LOSS_CASES[case]
+    logp, old_logp, mask, rewards = ragged(0)
+    adv, _ = np_advantages(rewards, "batch", False)
+    P, G, T = logp.shape
+    ref = np.zeros_like(mask)
+    for p in range(P):
+        for g in range(G):
+            n = max(mask[p, g].sum(), 1)
+            seq = math.exp(sum((logp[p, g, t] - old_logp[p, g, t]) * mask[p, g, t] for t in range(T)) / n)
+            a = adv[p, g]
+            for t in range(T):
+                rho = math.exp(logp[p, g, t] - old_logp[p, g, t])
+                if name == "cispo":
+                    c = rho > hp["eps_max"]
+                elif name == "ppo_clip":
+                    c = (a > 0 and rho > 1 + hp["eps_high"]) or (a < 0 and rho < 1 - hp["eps_low"])
+                elif name == "gspo":
+                    c = (a > 0 and seq > 1 + hp["gspo_eps_high"]) or (a < 0 and seq < 1 - hp["gspo_eps_low"])
+                else:
+                    c = False
+                ref[p, g, t] = float(c) * mask[p, g, t]
+    hp = {k: v for k, v in hp.items() if k != "kl_coef"}
+    with jax.enable_x64(True):
+        got = np.asarray(losses.clipped(name, jnp.asarray(logp), jnp.asarray(old_logp), jnp.asarray(adv),
+                                        jnp.asarray(mask), **hp))
+    np.testing.assert_array_equal(got, ref)
+    if case in ("cispo", "ppo_sym", "ppo_asym"):
+        assert 0 < ref.sum() < mask.sum()  # both outcomes occur

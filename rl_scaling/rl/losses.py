@@ -49,6 +49,26 @@ def reinforce(logp, old_logp, adv, mask, **_):
 LOSSES = {"cispo": cispo, "ppo_clip": ppo_clip, "gspo": gspo, "reinforce": reinforce}
 
 
+def clipped(name, logp, old_logp, adv, mask, *, eps_max=4.0, eps_low=0.2, eps_high=0.2,
+            gspo_eps_low=3e-4, gspo_eps_high=4e-4, **_):
+    """1.0 on the tokens whose importance weight the loss `name` clips: CISPO caps rho at
+    eps_max; PPO's surrogate is flat (no gradient) where rho left [1 - eps_low, 1 + eps_high]
+    in the direction of the advantage; GSPO the same with the sequence ratio; REINFORCE
+    clips nothing."""
+    rho = jnp.exp(logp - old_logp)
+    a = jnp.broadcast_to(adv[..., None], rho.shape)
+    if name == "cispo":
+        out = rho > eps_max
+    elif name == "ppo_clip":
+        out = ((a > 0) & (rho > 1.0 + eps_high)) | ((a < 0) & (rho < 1.0 - eps_low))
+    elif name == "gspo":
+        s = jnp.exp(((logp - old_logp) * mask).sum(-1, keepdims=True) / jnp.maximum(mask.sum(-1, keepdims=True), 1.0))
+        out = ((a > 0) & (s > 1.0 + gspo_eps_high)) | ((a < 0) & (s < 1.0 - gspo_eps_low))
+    else:
+        out = jnp.zeros(rho.shape, bool)
+    return out.astype(jnp.float32) * mask
+
+
 def kl_k3(logp, ref_logp):
     """Per-token k3 estimate of KL(pi || ref) (Schulman): exp(d) - d - 1 with d = ref - logp;
     non-negative, unbiased for samples drawn from pi. Added as `rl.kl_coef * kl_k3` (off by
@@ -57,46 +77,43 @@ def kl_k3(logp, ref_logp):
     return jnp.exp(d) - d - 1.0
 
 
-# ---- aggregation: (loss_PGT, mask_PGT, keep_P) -> scalar -------------------------------
+# ---- aggregation: one registry of per-token weights (mask_PGT, keep_P) -> w_PGT --------
+# The aggregated loss is sum(w * loss): linear in the tokens, so it can be split into
+# microbatches of whole samples (gradient accumulation, sharding over samples) and summed
+# back exactly.
 
-def prompt_average(loss, mask, keep):
+def prompt_weights(mask, keep):
     """ScaleRL: each prompt's token losses summed and divided by that prompt's token
     count, then averaged over the kept prompts."""
-    per_prompt = (loss * mask).sum((1, 2)) / jnp.maximum(mask.sum((1, 2)), 1.0)
-    return (per_prompt * keep).sum() / jnp.maximum(keep.sum(), 1.0)
+    per_prompt = keep / jnp.maximum(mask.sum((1, 2)), 1.0) / jnp.maximum(keep.sum(), 1.0)
+    return mask * per_prompt[:, None, None]
 
 
-def sample_average(loss, mask, keep):
+def sample_weights(mask, keep):
     """GRPO: mean over each sample's tokens, then over the kept samples."""
-    per_sample = (loss * mask).sum(2) / jnp.maximum(mask.sum(2), 1.0)
     weight = keep[:, None] * (mask.sum(2) > 0)
-    return (per_sample * weight).sum() / jnp.maximum(weight.sum(), 1.0)
+    per_sample = weight / jnp.maximum(mask.sum(2), 1.0) / jnp.maximum(weight.sum(), 1.0)
+    return mask * per_sample[..., None]
 
 
-def token_average(loss, mask, keep):
+def token_weights(mask, keep):
     """Token-level mean over the whole batch (DAPO paper)."""
     m = mask * keep[:, None, None]
-    return (loss * m).sum() / jnp.maximum(m.sum(), 1.0)
+    return m / jnp.maximum(m.sum(), 1.0)
 
 
-AGGREGATIONS = {"prompt": prompt_average, "sample": sample_average, "token": token_average}
+AGGREGATIONS = {"prompt": prompt_weights, "sample": sample_weights, "token": token_weights}
+
 
 def aggregation_weights(name, mask, keep):
-    """Per-token weights w with sum(w * loss) == AGGREGATIONS[name](loss, mask, keep).
+    if name not in AGGREGATIONS:
+        raise ValueError(f"rl.aggregation must be one of {sorted(AGGREGATIONS)}; got {name!r}")
+    return AGGREGATIONS[name](mask, keep)
 
-    The loss is then linear in the tokens, so it can be split into microbatches of whole
-    samples (gradient accumulation, sharding over samples) and summed back exactly."""
-    if name == "prompt":
-        per_prompt = keep / jnp.maximum(mask.sum((1, 2)), 1.0) / jnp.maximum(keep.sum(), 1.0)
-        return mask * per_prompt[:, None, None]
-    if name == "sample":
-        weight = keep[:, None] * (mask.sum(2) > 0)
-        per_sample = weight / jnp.maximum(mask.sum(2), 1.0) / jnp.maximum(weight.sum(), 1.0)
-        return mask * per_sample[..., None]
-    if name == "token":
-        m = mask * keep[:, None, None]
-        return m / jnp.maximum(m.sum(), 1.0)
-    raise ValueError(f"rl.aggregation must be one of {sorted(AGGREGATIONS)}; got {name!r}")
+
+def aggregate(name, loss, mask, keep):
+    """The scalar loss of aggregation `name` over per-token losses [P, G, T]."""
+    return (aggregation_weights(name, mask, keep) * loss).sum()
 
 
 # ---- advantages: rewards_PG -> (adv_PG, keep_P) ----------------------------------------

@@ -25,6 +25,7 @@ from flax import linen as nn
 
 from rl_scaling import sharding
 from rl_scaling.policy import model as model_lib
+from rl_scaling.policy import moe as moe_lib
 from rl_scaling.rl import losses
 
 
@@ -61,8 +62,9 @@ def init_state(model_cfg, optimizer, rng, mesh, shardings=None):
     return jax.jit(init, out_shardings=shardings)(rng)
 
 
-def token_logprobs(params, model_cfg, tokens_BL, token_mask_BL, temperature=1.0, chunk=0):
+def token_logprobs(params, model_cfg, tokens_BL, token_mask_BL, temperature=1.0, chunk=0, with_router=False):
     """log pi(token_t | tokens_<t) for t >= 1, from float32 logits; shape [B, L-1].
+    with_router=True also returns the MoE router's sown intermediates (see moe.py).
 
     With chunk > 0 the LM head and log-softmax run over `chunk` positions at a time under
     jax.checkpoint, so [B, L, V] logits never exist at once (128k-200k vocabularies at
@@ -76,11 +78,16 @@ def token_logprobs(params, model_cfg, tokens_BL, token_mask_BL, temperature=1.0,
         logp_all = jax.nn.log_softmax(logits_BTV / temperature, axis=-1)
         return jnp.take_along_axis(logp_all, targets[..., None], axis=-1)[..., 0]
 
+    def apply(**kw):
+        if not with_router:
+            return decoder.apply({"params": params}, *inputs, **kw), {}
+        return decoder.apply({"params": params}, *inputs, mutable="intermediates", **kw)
+
     T = targets_BT.shape[1]
     if not chunk or T <= chunk:
-        logits, _ = decoder.apply({"params": params}, *inputs)
-        return logp_of(logits, targets_BT)
-    hidden_BTD, kernel_DV = decoder.apply({"params": params}, *inputs, return_hidden=True)
+        (logits, _), inter = apply()
+        return (logp_of(logits, targets_BT), inter) if with_router else logp_of(logits, targets_BT)
+    (hidden_BTD, kernel_DV), inter = apply(return_hidden=True)
     n = -(-T // chunk)
     pad = n * chunk - T
     hidden_BTD = jnp.pad(hidden_BTD, ((0, 0), (0, pad), (0, 0)))
@@ -93,28 +100,55 @@ def token_logprobs(params, model_cfg, tokens_BL, token_mask_BL, temperature=1.0,
     h_NBCD = hidden_BTD.reshape(hidden_BTD.shape[0], n, chunk, -1).swapaxes(0, 1)
     t_NBC = targets_BT.reshape(targets_BT.shape[0], n, chunk).swapaxes(0, 1)
     logp_NBC = jax.lax.map(lambda xs: one_chunk(*xs), (h_NBCD, t_NBC))
-    return logp_NBC.swapaxes(0, 1).reshape(targets_BT.shape)[:, :T]
+    logp = logp_NBC.swapaxes(0, 1).reshape(targets_BT.shape)[:, :T]
+    return (logp, inter) if with_router else logp
 
 
-def _policy_loss(params, mb, *, model_cfg, rl_cfg):
-    """sum(weight * per-token loss) over a microbatch of whole samples [n, L]."""
-    logp = token_logprobs(params, model_cfg, mb["tokens"], mb["token_mask"], rl_cfg.temperature, rl_cfg.logprob_chunk)
+def router_terms(intermediates) -> dict:
+    """Router statistics of one forward pass from the sown MoE intermediates ({} for a dense
+    model): the Switch load-balancing loss E * sum_e f_e * P_e averaged over layers, the
+    largest per-layer expert load f_e, and the dropped fraction (0: dispatch is dropless)."""
+    m = moe_lib.router_metrics(intermediates)
+    if not m:
+        return {}
+    return {"router/aux_loss": m["router_aux_loss"], "router/expert_load_max": jnp.max(m["expert_load"]),
+            "router/dropped_frac": jnp.zeros((), jnp.float32)}
+
+
+def policy_loss(params, mb, *, model_cfg, rl_cfg, micro_frac=1.0):
+    """sum(weight * per-token loss) over a microbatch of whole samples [n, L], plus
+    model.router_aux_loss_coef x the router loss for a MoE policy. micro_frac is the
+    microbatch's share of its minibatch: the per-token weights already sum to one over the
+    minibatch, the router loss is a mean, so accumulated microbatches add up exactly."""
+    is_moe = bool(model_cfg.num_experts)
+    logp = token_logprobs(params, model_cfg, mb["tokens"], mb["token_mask"], rl_cfg.temperature, rl_cfg.logprob_chunk,
+                          with_router=is_moe)
+    logp, router = (logp[0], router_terms(logp[1])) if is_moe else (logp, {})
     mask = mb["loss_mask"][:, 1:]
     old_logp = mb["old_logp"][:, 1:]
     per_token = losses.LOSSES[rl_cfg.loss](logp, old_logp, mb["adv"], mask, **loss_hparams(rl_cfg))
     if rl_cfg.kl_coef:  # k3 estimator against the generator policy (off by default)
         per_token = per_token + rl_cfg.kl_coef * losses.kl_k3(logp, old_logp)
     loss = (per_token * mb["weight"][:, 1:]).sum()
+    if router and model_cfg.router_aux_loss_coef:
+        loss = loss + model_cfg.router_aux_loss_coef * micro_frac * router["router/aux_loss"]
     n_tok = jnp.maximum(mask.sum(), 1.0)
     rho = jnp.exp(logp - old_logp)
     stats = {
         "rho_abs_dev": (jnp.abs(rho - 1.0) * mask).sum() / n_tok,
         "rho_max": jnp.max(jnp.where(mask > 0, rho, 0.0)),
-        "is_capped_frac": ((rho > rl_cfg.eps_max) * mask).sum() / n_tok,
+        "is_capped_frac": losses.clipped(rl_cfg.loss, logp, old_logp, mb["adv"], mask, **loss_hparams(rl_cfg)).sum() / n_tok,
         "neg_logp": -(logp * mask).sum() / n_tok,
         "kl_k3": (losses.kl_k3(logp, old_logp) * mask).sum() / n_tok,  # logged even when kl_coef = 0
+        **router,
     }
     return loss, stats
+
+
+def reduce_stats(stats):
+    """Per-microbatch (or per-minibatch) statistics stacked on axis 0 -> one value each:
+    maxima stay maxima, the rest are means."""
+    return {k: v.max(0) if k.endswith("_max") else v.mean(0) for k, v in stats.items()}
 
 
 def rl_step(state, batch, *, model_cfg, rl_cfg, optimizer, mesh=None):
@@ -128,7 +162,8 @@ def rl_step(state, batch, *, model_cfg, rl_cfg, optimizer, mesh=None):
     data["adv"] = adv.reshape(P * G)
     data = jax.tree.map(lambda x: x.reshape((M, x.shape[0] // M) + x.shape[1:]), data)
     keep_M = keep.reshape(M, P // M)
-    grad_fn = jax.value_and_grad(functools.partial(_policy_loss, model_cfg=model_cfg, rl_cfg=rl_cfg), has_aux=True)
+    grad_fn = jax.value_and_grad(functools.partial(policy_loss, model_cfg=model_cfg, rl_cfg=rl_cfg, micro_frac=1.0 / A),
+                                 has_aux=True)
 
     def grads_of(params, mb, keep_p):
         n, L = mb["tokens"].shape
@@ -143,7 +178,7 @@ def rl_step(state, batch, *, model_cfg, rl_cfg, optimizer, mesh=None):
             return jax.tree.map(jnp.add, grads_sum, grads), (loss, stats)
 
         grads, (loss_A, stats) = jax.lax.scan(add, jax.tree.map(jnp.zeros_like, params), micro)
-        return (loss_A.sum(), jax.tree.map(jnp.mean, stats)), grads
+        return (loss_A.sum(), reduce_stats(stats)), grads
 
     def update(carry, xs):
         params, opt_state = carry
@@ -154,7 +189,7 @@ def rl_step(state, batch, *, model_cfg, rl_cfg, optimizer, mesh=None):
         return (params, opt_state), stats
 
     (params, opt_state), stats = jax.lax.scan(update, (state["params"], state["opt_state"]), (data, keep_M))
-    metrics = {k: v.mean() for k, v in stats.items()}
+    metrics = reduce_stats(stats)
     metrics["rho_abs_dev_first_mb"] = stats["rho_abs_dev"][0]  # generator/trainer mismatch, before any update
     metrics["keep_frac"] = keep.mean()
     metrics["reward_mean"] = batch["rewards"].mean()
