@@ -106,14 +106,21 @@ def run(args):
     if results:
         top = max(r.c.max() for r in results)
         budgets = _floats(args.budgets) or [top * m for m in (0.25, 0.5, 1, 2, 4, 8)]
-        table = compare.budget_table(results, budgets)
-        out["budgets"] = {"compute": budgets, "pass_rate": {r.name: table[i].tolist() for i, r in enumerate(results)}}
+        table, lo, hi, shown = compare.budget_bands(results, budgets)
+        out["budgets"] = {"compute": budgets, "pass_rate": {r.name: table[i].tolist() for i, r in enumerate(results)},
+                          "band": {r.name: [lo[i].tolist(), hi[i].tolist()] for i, r in enumerate(results)},
+                          "shown": {r.name: shown[i].tolist() for i, r in enumerate(results)}}
         plots.plot_asymptotes(results, os.path.join(args.out, "asymptotes.png"))
         plots.plot_heatmap(results, budgets, os.path.join(args.out, "heatmap.png"))
     if len(results) >= 2:
         cmp_ = compare.compare_recipes(results, args.margin)
         out["comparison"] = cmp_
-        print("ranking: " + ", ".join(f"{r['rank']}. {r['name']}" for r in cmp_["ranking"]))
+        for p in cmp_["pairs"]:
+            print(f"{p['a']} vs {p['b']}: {p['winner']} ({p['rule']})")
+        if cmp_["ranking"]:
+            print("ranking: " + ", ".join(f"{r['rank']}. {r['name']}" for r in cmp_["ranking"]))
+        if cmp_.get("ranking_note"):
+            print(cmp_["ranking_note"])
     with open(os.path.join(args.out, "fit.json"), "w") as f:
         json.dump(out, f, indent=1, default=_json_default)
     print(f"wrote {os.path.join(args.out, 'fit.json')}")
@@ -141,7 +148,9 @@ def _report(s):
         lp = ex["last_point"]
         print(f"  fit to {ex['fit_until']:.4g}, predict the rest: RMSE {ex['rmse']:.4f}, last point "
               f"{lp['predicted']:.3f} vs {lp['observed']:.3f} (95% PI [{lp['pi'][0]:.3f}, {lp['pi'][1]:.3f}])")
-    for m in s["messages"]:
+    for f in s.get("flags", []):
+        print(f"  warning [{f['code']}]: {f['message']}")
+    for m in s.get("notes", []):
         print(f"  note: {m}")
 
 

@@ -1,8 +1,11 @@
-"""One call from runs to a fit summary: window, fit, bootstrap, identifiability, extrapolation check.
+"""One call from runs to a fit summary: window, fit, bootstrap, identifiability, extrapolation check,
+and the diagnostics that refuse bad curves (diagnostics.py), each a named flag.
 
 `fit_runs(runs)` fits the seeds of one configuration together and returns a `Result`; its `summary()`
-is the JSON-ready dict that `launch/fit.py` writes to fit.json. `refit(records)` is the eval-and-fit
-loop's entry point: it never raises on data problems, it returns a status.
+is the JSON-ready dict that `launch/fit.py` writes to fit.json. With method='grid' every number and
+message comes from the paper's grid fit (the bootstrap is drawn around it and refitted by the batched
+solver). `refit(records)` is the eval-and-fit loop's entry point: it never raises on data problems, it
+returns a status.
 """
 
 from __future__ import annotations
@@ -11,7 +14,7 @@ import dataclasses
 
 import numpy as np
 
-from rl_scaling.scaling import compare, fit as fitlib, uncertainty as unc
+from rl_scaling.scaling import compare, diagnostics, fit as fitlib, uncertainty as unc
 from rl_scaling.scaling.errors import ScalingDataError
 from rl_scaling.scaling.io import Run
 
@@ -42,11 +45,12 @@ class Result:
     groups: np.ndarray
     fit: fitlib.Fit
     boot: unc.Bootstrap
-    center: fitlib.Fit  # the fit the bootstrap replicates were drawn around (the direct fit)
+    center: fitlib.Fit  # the fit the bootstrap replicates were drawn around (the main fit)
     identifiable: bool
     reasons: tuple
     warnings: tuple
     extras: dict
+    flags: tuple = ()  # (code, message) findings, codes in diagnostics.FLAG_CODES
 
     def refit_fixed(self, fixed):
         return fitlib.fit_fixed(self.c, self.y, fixed, self.fit, self._r0(), self.opts.a_bounds)
@@ -73,17 +77,22 @@ class Result:
             "A_fit": f.A, "B": f.B, "C_mid": f.C_mid, "R0": f.R0, "R0_fixed": f.r0_fixed,
             "ci": {k: list(v) for k, v in ci.items() if k != "R0" or not f.r0_fixed},
             "level": level, "identifiable": self.identifiable,
-            "messages": list(self.reasons) + list(self.warnings),
+            "flags": [{"code": k, "message": m} for k, m in self.flags],
+            "messages": list(self.reasons) + [f"{k}: {m}" for k, m in self.flags if k != "not_identifiable"],
             "window": {"c_min": float(self.c.min()), "c_max": float(self.c.max()), "n_points": int(self.c.size),
                        "requested": [self.opts.c_min, self.opts.c_max]},
             "ssr": f.ssr, "rmse": float(np.sqrt(f.ssr / f.n)), "sigma": f.sigma,
             "bootstrap": {"method": self.boot.method, "n_boot": int(self.boot.theta.shape[0])},
         }
         if not self.identifiable:
-            out["messages"].insert(0, f"A is not identifiable from this window; report A >= {ci['A'][0]:.3f} "
-                                      f"(lower end of the {level:.0%} interval), not A = {f.A:.3f}")
+            out["messages"].insert(0, _not_identifiable(ci, f, level))
         out.update(self.extras)
         return out
+
+
+def _not_identifiable(ci, f, level):
+    return (f"A is not identifiable from this window; report A >= {ci['A'][0]:.3f} "
+            f"(lower end of the {level:.0%} interval), not A = {f.A:.3f}")
 
 
 def _pool(runs):
@@ -132,46 +141,91 @@ def fit_runs(runs, name=None, opts: Options | None = None, **kw):
         raise ScalingDataError(f"{name}: {c.size} points in the fit window [{opts.c_min}, {opts.c_max}] "
                                f"(sources: {', '.join(r.source for r in runs)}); "
                                f"at least {fitlib.MIN_POINTS} are needed")
-    fit_one = _fitter(opts, r0, name)
-    main = fit_one(c, y)
-    extras = {"notes": [r0_note]}
+    fit_info = _fitter(opts, r0, name)
+    fit_one = lambda cc, yy: fit_info(cc, yy)[0]  # noqa: E731
+    main, grid_info = fit_info(c, y)
+    extras = {"notes": [n for r in runs for n in r.notes] + [r0_note]}
     if r0_n:
         extras["notes"].append("its noise enters the intervals (from " +
                                ("the logged eval stderr)" if r0_se is not None else "the residuals)"))
-    if opts.method == "grid":
-        main, extras["grid"] = main
-        extras["notes"].append("intervals come from the bootstrap of the direct fit")
-        direct = fitlib.fit_direct(c, y, r0, opts.a_bounds, name)
-        extras["direct"] = {"A": direct.A, "B": direct.B, "C_mid": direct.C_mid, "ssr": direct.ssr}
-        around = direct
-    else:
-        around = main
+    if grid_info is not None:
+        extras["grid"] = grid_info
+        extras["notes"].append("intervals: bootstrap replicates drawn around the grid fit, refitted by the "
+                               "batched solver")
     bm = opts.boot_method or ("seeds" if len(runs) >= 2 else "residual")
-    boot = unc.bootstrap(around, c, y, opts.n_boot, bm, groups=g, rng=opts.seed, r0_evals=r0_n, r0_se=r0_se)
-    ok, reasons, warns = unc.identifiability(around, boot, float(c.max()), opts.level)
-    direct_fit = (lambda cc, yy: fitlib.fit_direct(cc, yy, r0, opts.a_bounds, name))
+    boot = unc.bootstrap(main, c, y, opts.n_boot, bm, groups=g, rng=opts.seed, r0_evals=r0_n, r0_se=r0_se)
+    ok, reasons, warns = unc.identifiability(main, boot, float(c.max()), opts.level)
+    if grid_info is not None and grid_info["at_grid_edge"]:
+        reasons.append(f"the grid fit sits at the edge of its grid (A = {main.A:.3f} in "
+                       f"[{grid_info['a_grid'][0]:.3f}, {grid_info['a_grid'][1]:.3f}], C_mid = {main.C_mid:.4g} in "
+                       f"[{grid_info['cmid_grid'][0]:.4g}, {grid_info['cmid_grid'][1]:.4g}])")
+        ok = False
     if opts.holdout:
-        extras["extrapolation"] = _early_late(c_all, y_all, g_all, c, opts, r0, (r0_n, r0_se), name)
+        extras["extrapolation"] = _early_late(c_all, y_all, g_all, c, opts, r0, (r0_n, r0_se), fit_one)
     try:
-        extras["sigmoid_vs_power_law"] = compare.sigmoid_vs_power(c, y, direct_fit, opts.holdout or 0.5,
+        extras["sigmoid_vs_power_law"] = compare.sigmoid_vs_power(c, y, fit_one, opts.holdout or 0.5,
                                                                   opts.a_bounds)
     except ScalingDataError as e:
         extras["sigmoid_vs_power_law"] = {"status": "skipped", "message": str(e)}
-    return Result(name=name, runs=runs, opts=opts, c=c, y=y, groups=g, fit=main, boot=boot, center=around,
-                  identifiable=ok, reasons=tuple(reasons), warnings=tuple(warns), extras=extras)
+    extras["diagnostics"] = _diagnose(runs, c, y, g, main, fit_one, extras, opts.level)
+    flags = []
+    if not ok:
+        ci = unc.param_intervals(boot, opts.level)
+        flags.append(("not_identifiable", _not_identifiable(ci, main, opts.level) + ": " + "; ".join(reasons)))
+    flags += [("wide_interval", w) for w in warns] + diagnostics.flags(extras["diagnostics"])
+    return Result(name=name, runs=runs, opts=opts, c=c, y=y, groups=g, fit=main, boot=boot, center=main,
+                  identifiable=ok, reasons=tuple(reasons), warnings=tuple(warns), extras=extras,
+                  flags=tuple(flags))
 
 
 def _fitter(opts, r0, name):
+    """(c, y) -> (Fit, grid info or None) for the chosen method."""
     if opts.method == "direct":
-        return lambda c, y: fitlib.fit_direct(c, y, r0, opts.a_bounds, name)
+        return lambda c, y: (fitlib.fit_direct(c, y, r0, opts.a_bounds, name), None)
     if opts.method == "grid":
         return lambda c, y: fitlib.fit_grid(c, y, r0, unit=opts.unit, source=name, **opts.grid)
     raise ValueError(f"unknown fit method {opts.method!r} (direct or grid)")
 
 
-def _early_late(c_all, y_all, g_all, c_win, opts, r0, r0_noise, name):
-    """Fit the window's points up to `holdout`, predict every later point; errors and the last point's
-    prediction interval."""
+def _diagnose(runs, c, y, g, main, fit_one, extras, level):
+    """Inputs of diagnostics.flags: runs test and eval-noise test on each seed's residuals around its own
+    fit (seeds differ by smooth curves, which are not a lack of fit), the decline test, the best
+    straight-line baseline and a missed hold-out prediction."""
+    fitted, used = np.empty_like(y), {}
+    labels = np.unique(g)
+    for label in labels:
+        ii = g == label
+        f = main
+        if labels.size > 1:
+            try:
+                f = fit_one(c[ii], y[ii])
+            except ScalingDataError:  # too few points or flat: the pooled curve stands in
+                pass
+        fitted[ii] = f.predict(c[ii])
+        used[id(f)] = f
+    res = y - fitted
+    n_free = sum(f.n_free for f in used.values())
+    out = {"runs": diagnostics.runs_test(res, g),
+           "decline": diagnostics.decline_test(c, y, g)}
+    sizes = [r.eval_samples for r in runs]
+    if all(sizes):
+        sd = diagnostics.binomial_sd(fitted, np.asarray(sizes)[g])
+        out["noise"] = {**diagnostics.noise_test(res, sd, c.size - n_free), "eval_samples": sizes}
+    sp = extras.get("sigmoid_vs_power_law", {})
+    base = compare.best_baseline(sp)
+    if base:
+        out["baseline"] = base
+    ex = extras.get("extrapolation", {})
+    if ex.get("status") == "ok" and not ex["last_point"]["covered"]:
+        lp = ex["last_point"]
+        out["holdout"] = {"fit_until": ex["fit_until"], "compute": lp["compute"], "observed": lp["observed"],
+                          "predicted": lp["predicted"], "pi": lp["pi"], "level": level}
+    return out
+
+
+def _early_late(c_all, y_all, g_all, c_win, opts, r0, r0_noise, fit_one):
+    """Fit the window's points up to `holdout` (with the main fit's method), predict every later point;
+    errors and the last point's prediction interval."""
     cut = opts.holdout * c_win.max() if opts.holdout <= 1.0 else opts.holdout
     lo = c_win.min()
     early = (c_all >= lo) & (c_all <= cut) & (c_all > 0)
@@ -183,7 +237,7 @@ def _early_late(c_all, y_all, g_all, c_win, opts, r0, r0_noise, name):
         return out
     ce, ye = c_all[early], y_all[early]
     try:
-        fe = fitlib.fit_direct(ce, ye, r0, opts.a_bounds, name)
+        fe = fit_one(ce, ye)
     except ScalingDataError as e:
         out.update(status="skipped", message=str(e))
         return out

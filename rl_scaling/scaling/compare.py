@@ -1,4 +1,5 @@
-"""Sigmoid versus power law, fit-early-predict-late, and recipe comparison (the paper's rule and more)."""
+"""Sigmoid versus a power law and straight-line baselines, fit-early-predict-late, and recipe comparison
+(the paper's rule, undecided where an A is not measured)."""
 
 from __future__ import annotations
 
@@ -6,7 +7,7 @@ import itertools
 
 import numpy as np
 
-from rl_scaling.scaling import law
+from rl_scaling.scaling import diagnostics, law
 from rl_scaling.scaling.fit import MIN_POINTS, lm_solve
 from rl_scaling.scaling.errors import ScalingDataError
 
@@ -39,6 +40,30 @@ def predict_power_law(c, p):
     return law.power_law(c, p["A"], p["D"], p["B"])
 
 
+# ---------------------------------------------------------------- baselines without a ceiling
+
+BASELINES = ("linear", "log_linear")  # R = a + b C and R = a + b ln C
+
+
+def fit_baseline(compute, pass_rate, kind):
+    """Least-squares straight line in C ('linear') or in ln C ('log_linear'). Returns a dict."""
+    c, y = np.asarray(compute, dtype=float), np.asarray(pass_rate, dtype=float)
+    x = _baseline_x(c, kind)
+    (a, b), *_ = np.linalg.lstsq(np.stack([np.ones_like(x), x], axis=1), y, rcond=None)
+    ssr = float(np.sum((y - a - b * x) ** 2))
+    return {"kind": kind, "a": float(a), "b": float(b), "ssr": ssr, "n": int(c.size), "n_free": 2}
+
+
+def predict_baseline(c, p):
+    return p["a"] + p["b"] * _baseline_x(np.asarray(c, dtype=float), p["kind"])
+
+
+def _baseline_x(c, kind):
+    if kind not in BASELINES:
+        raise ValueError(f"unknown baseline {kind!r} ({', '.join(BASELINES)})")
+    return c if kind == "linear" else np.log(c)
+
+
 def aic(ssr, n, k):
     """Gaussian AIC with the noise variance counted as a parameter; lower is better."""
     return float(n * np.log(max(ssr, 1e-300) / n) + 2 * (k + 1))
@@ -61,14 +86,18 @@ def holdout_errors(predicted, observed):
 
 
 def sigmoid_vs_power(compute, pass_rate, sigmoid_fit_fn, until=0.5, a_bounds=(0.0, 1.0)):
-    """Compare both laws on the whole window (AIC) and by extrapolation (fit early, predict late).
+    """Compare the sigmoid with the power law and the linear and log-linear baselines on the whole window
+    (AIC) and by extrapolation (fit early, predict late).
 
-    sigmoid_fit_fn(c, y) -> Fit, so the sigmoid uses the same R0 handling as the main fit.
+    sigmoid_fit_fn(c, y) -> Fit, so the sigmoid uses the same fit method and R0 handling as the main fit.
     """
     c, y = np.asarray(compute, dtype=float), np.asarray(pass_rate, dtype=float)
     sig, pw = sigmoid_fit_fn(c, y), fit_power_law(c, y, a_bounds)
     out = {"sigmoid": {"aic": aic(sig.ssr, sig.n, sig.n_free), "ssr": sig.ssr},
            "power_law": {**pw, "aic": aic(pw["ssr"], pw["n"], pw["n_free"])}}
+    for kind in BASELINES:
+        b = fit_baseline(c, y, kind)
+        out[kind] = {**b, "aic": aic(b["ssr"], b["n"], b["n_free"])}
     early, cut = split_at(c, until)
     out["fit_until"] = cut
     if early.sum() >= MIN_POINTS and (~early).any():
@@ -77,15 +106,41 @@ def sigmoid_vs_power(compute, pass_rate, sigmoid_fit_fn, until=0.5, a_bounds=(0.
         out["power_law"]["heldout"] = holdout_errors(predict_power_law(c[~early], p_e), y[~early])
         out["power_law"]["heldout"]["A"] = p_e["A"]
         out["sigmoid"]["heldout"]["A"] = s_e.A
-    out["preferred_by_aic"] = "sigmoid" if out["sigmoid"]["aic"] <= out["power_law"]["aic"] else "power_law"
+        for kind in BASELINES:
+            b_e = fit_baseline(c[early], y[early], kind)
+            out[kind]["heldout"] = holdout_errors(predict_baseline(c[~early], b_e), y[~early])
+    models = ("sigmoid", "power_law") + BASELINES
+    out["preferred_by_aic"] = min(models, key=lambda m: (out[m]["aic"], models.index(m)))
+    if "heldout" in out["sigmoid"]:
+        out["preferred_by_heldout"] = min(models, key=lambda m: (out[m]["heldout"]["rmse"], models.index(m)))
     return out
+
+
+def best_baseline(comparison):
+    """The straight-line baseline whose AIC is at or below the sigmoid's (the window shows no ceiling),
+    or None."""
+    if "sigmoid" not in comparison:
+        return None
+    kind = min(BASELINES, key=lambda k: comparison[k]["aic"])
+    s_aic, b_aic = comparison["sigmoid"]["aic"], comparison[kind]["aic"]
+    return {"name": kind, "aic": b_aic, "sigmoid_aic": s_aic} if b_aic <= s_aic else None
 
 
 # ---------------------------------------------------------------- recipes
 
+UNDECIDED = "undecided"
+_WHY = {"not_identifiable": "A is only a lower bound", "not_sigmoidal": "the curve is not sigmoidal"}
+
+
+def blocking(result):
+    """Why a result's A cannot rank it: [(code, text)] for its blocking flags (diagnostics.BLOCKING)."""
+    return [(code, _WHY.get(code, code)) for code, _ in result.flags if code in diagnostics.BLOCKING]
+
+
 def compare_pair(a, b, margin=0.02):
     """The paper's rule for two results (api.Result): if their A are within the margin, refit both with
     the mean A and compare B (higher B = at least as scalable); otherwise the higher A wins.
+    Undecided when either A is only a lower bound (not identifiable) or either curve is not sigmoidal.
 
     Also gives the bootstrap probability that a's A exceeds b's (independent replicates).
     """
@@ -93,36 +148,61 @@ def compare_pair(a, b, margin=0.02):
     pa, pb = a.boot.params()["A"], b.boot.params()["A"]
     m = min(pa.size, pb.size)
     out = {"a": a.name, "b": b.name, "A_diff": float(dA), "p_A_greater": float(np.mean(pa[:m] > pb[:m]))}
-    if abs(dA) <= margin:
+    why = sorted({f"{r.name}: {text}" for r in (a, b) for _, text in blocking(r)})
+    if why:
+        out.update(rule="; ".join(why), winner=UNDECIDED)
+    elif abs(dA) <= margin:
         mean_A = (a.fit.A + b.fit.A) / 2.0
         Ba, Bb = (r.refit_fixed({"A": mean_A}).B for r in (a, b))
         out.update(rule="A within margin: refit with mean A, compare B", mean_A=float(mean_A),
                    B_a=float(Ba), B_b=float(Bb), winner=a.name if Ba >= Bb else b.name)
     else:
         out.update(rule="A differs by more than the margin", winner=a.name if dA > 0 else b.name)
-    if not (a.identifiable and b.identifiable):
-        out["warning"] = "at least one A is only a lower bound; the comparison is provisional"
     return out
 
 
 def compare_recipes(results, margin=0.02):
-    """Table of A, B, C_mid with intervals, all pairwise comparisons, and a ranking by wins
-    (ties broken by A)."""
+    """Table of A, B, C_mid with intervals, all pairwise comparisons, and a ranking by wins (ties broken
+    by A) of the results whose A can rank them; with fewer than two such results there is no ranking,
+    and 'ranking_note' says why."""
     table = []
     for r in results:
         s = r.summary()
         table.append({k: s[k] for k in ("name", "A", "A_lower_bound", "A_fit", "B", "C_mid", "R0", "ci",
                                         "identifiable", "n_seeds")})
     pairs = [compare_pair(a, b, margin) for a, b in itertools.combinations(results, 2)]
-    wins = {r.name: 0 for r in results}
+    rankable = [r for r in results if not blocking(r)]
+    out = {"margin": margin, "table": table, "pairs": pairs, "ranking": []}
+    left_out = [f"{r.name} ({', '.join(t for _, t in blocking(r))})" for r in results if blocking(r)]
+    if len(rankable) < 2:
+        out["ranking_note"] = ("no ranking: fewer than two recipes have a measured A; left out: "
+                               + "; ".join(left_out))
+        return out
+    wins = {r.name: 0 for r in rankable}
     for p in pairs:
-        wins[p["winner"]] += 1
-    order = sorted(results, key=lambda r: (-wins[r.name], -r.fit.A))
-    ranking = [{"rank": i + 1, "name": r.name, "wins": wins[r.name]} for i, r in enumerate(order)]
-    return {"margin": margin, "table": table, "pairs": pairs, "ranking": ranking}
+        if p["winner"] != UNDECIDED:
+            wins[p["winner"]] += 1
+    order = sorted(rankable, key=lambda r: (-wins[r.name], -r.fit.A))
+    out["ranking"] = [{"rank": i + 1, "name": r.name, "wins": wins[r.name]} for i, r in enumerate(order)]
+    if left_out:
+        out["ranking_note"] = "left out of the ranking: " + "; ".join(left_out)
+    return out
 
 
 def budget_table(results, budgets):
     """Predicted pass rate of each result at each compute budget (rows: results, columns: budgets)."""
     budgets = np.asarray(budgets, dtype=float)
     return np.stack([r.fit.predict(budgets) for r in results]) if results else np.zeros((0, budgets.size))
+
+
+def budget_bands(results, budgets):
+    """Per result and budget: the predicted pass rate, its confidence band (lo, hi) and whether it is
+    shown: a budget beyond the data of a result whose A is not measured (blocking flags) is hidden,
+    since the prediction there only extrapolates an unknown ceiling."""
+    budgets = np.asarray(budgets, dtype=float)
+    pred, lo, hi, shown = (np.zeros((len(results), budgets.size)) for _ in range(4))
+    for i, r in enumerate(results):
+        p, (blo, bhi), _ = r.predict(budgets)
+        pred[i], lo[i], hi[i] = p, blo, bhi
+        shown[i] = (budgets <= r.c.max()) | (not blocking(r))
+    return pred, lo, hi, shown.astype(bool)

@@ -82,6 +82,14 @@ def check_curve(compute, pass_rate, source="input", where=None, columns=("comput
     if (c < 0).any():
         i = int(np.flatnonzero(c < 0)[0])
         raise ScalingDataError(f"{at(i)}: column '{columns[0]}' is negative ({c[i]})")
+    outside = (y < 0) | (y > 1)
+    if outside.any():
+        i = int(np.flatnonzero(outside)[0])
+        if (y >= 0).all() and (y <= 100).all():
+            raise ScalingDataError(f"{at(i)}: column '{columns[1]}' is {y[i]:g}: pass rates look like a percent "
+                                   f"scale (values in [0, 100], largest {y.max():g}); give them as fractions "
+                                   "in [0, 1] (divide by 100)")
+        raise ScalingDataError(f"{at(i)}: column '{columns[1]}' is {y[i]:g}, outside [0, 1] (a pass rate)")
     if c.size > 1 and (np.diff(c) <= 0).any():
         i = int(np.flatnonzero(np.diff(c) <= 0)[0]) + 1
         what = "compute 0 appears twice" if c[i] == 0 else "compute does not increase"
