@@ -64,3 +64,19 @@ def test_cli_grid_method_and_bad_input(workdirs, tmp_path, capsys):
     few.write_text("compute,pass_rate\n0,0.1\n1,0.2\n2,0.3\n")
     assert cli.main([str(few), f"--out={tmp_path / 'y'}"]) == 1
     assert json.loads((tmp_path / "y" / "fit.json").read_text())["recipes"]["few"]["status"] == "error"
+
+
+def test_cli_prints_named_warnings_and_no_ranking_from_unmeasured_ceilings(tmp_path, capsys):
+    """Runs that stop well before C_mid (step 600): every A is a lower bound."""
+    root = tmp_path / "early"
+    for name, A in (("x", 0.7), ("y", 0.55)):
+        write_workdir(root / name / "seed0", A=A, steps=range(0, 301, 10), eval_every=20)
+    out = tmp_path / "out"
+    assert _cli().main([str(root), f"--out={out}", "--n-boot=200", "--c-min=0"]) == 0
+    text = capsys.readouterr().out
+    assert "warning [not_identifiable]" in text and "x vs y: undecided" in text
+    assert not any(ln.startswith("ranking:") for ln in text.splitlines()) and "no ranking" in text
+    data = json.loads((out / "fit.json").read_text())
+    assert data["comparison"]["ranking"] == [] and data["comparison"]["pairs"][0]["winner"] == "undecided"
+    assert "not_identifiable" in {f["code"] for f in data["recipes"]["x"]["flags"]}
+    assert data["budgets"]["shown"]["x"][-1] is False  # 8x the data: hidden in the heat map

@@ -142,3 +142,63 @@ def test_tensorboard(tmp_path):
     (wd / "config.json").write_text(json.dumps({"recipe": "dapo", "seed": 2, "rl": {"eps": 0.2}}))
     run = io.load_inputs([str(wd)], axis="accel_hours")[0]
     assert (run.recipe, run.seed) == ("dapo", "2") and run.compute[-1] == 5.0
+
+
+def test_relogged_evals_keep_the_last_record_of_each_step(tmp_path):
+    """A run resumed from its step-1000 checkpoint logs the evals of steps 1100-1400 again."""
+    d = write_workdir(tmp_path / "w", steps=range(0, 1401, 50))
+    first = io.load_inputs([str(d)])[0]
+    lines = (d / "metrics.jsonl").read_text().splitlines()
+    again = []
+    for ln in lines:
+        rec = json.loads(ln)
+        if "eval/pass_rate" in rec and rec["step"] > 1000:
+            rec["eval/pass_rate"] += 0.05  # the second pass differs: the last record must win
+            again.append(json.dumps(rec))
+    (d / "metrics.jsonl").write_text("\n".join(lines + again) + "\n")
+    run = io.load_inputs([str(d)])[0]
+    np.testing.assert_array_equal(run.compute, first.compute)
+    late = first.compute > 1000e12
+    np.testing.assert_allclose(run.pass_rate[late], first.pass_rate[late] + 0.05)
+    np.testing.assert_array_equal(run.pass_rate[~late], first.pass_rate[~late])
+    assert len(run.notes) == 1 and "4 step(s) have more than one eval record" in run.notes[0]
+    assert "steps 1100, 1200, 1300, 1400" in run.notes[0]
+
+
+def test_byte_order_mark_is_accepted(tmp_path):
+    d = write_workdir(tmp_path / "w")
+    text = (d / "metrics.jsonl").read_text()
+    (d / "metrics.jsonl").write_bytes(b"\xef\xbb\xbf" + text.encode())
+    assert io.load_inputs([str(d)])[0].compute.size == 21
+    p = tmp_path / "bom.csv"
+    p.write_bytes(b"\xef\xbb\xbfcompute,pass_rate\n0,0.2\n10,0.3\n20,0.35\n")
+    run = io.load_inputs([str(p)])[0]
+    np.testing.assert_array_equal(run.compute, [0, 10, 20])
+
+
+def test_unsorted_csv_rows_are_sorted_with_a_note(tmp_path):
+    p = tmp_path / "mixed.csv"
+    p.write_text("run,compute,pass_rate\na,20,0.35\na,0,0.2\nb,0,0.1\na,10,0.3\nb,5,0.15\n")
+    a, b = io.load_inputs([str(p)])
+    np.testing.assert_array_equal(a.compute, [0, 10, 20])
+    np.testing.assert_array_equal(a.pass_rate, [0.2, 0.3, 0.35])
+    assert len(a.notes) == 1 and "'a' were not in compute order" in a.notes[0] and b.notes == ()
+    dup = tmp_path / "dup.csv"
+    dup.write_text("compute,pass_rate\n10,0.3\n0,0.2\n10,0.31\n")
+    with pytest.raises(ScalingDataError, match=r"dup.csv:4: column 'compute': compute does not increase"):
+        io.load_inputs([str(dup)])
+
+
+def test_percent_scale_csv_names_the_line(tmp_path):
+    p = tmp_path / "pct.csv"
+    p.write_text("compute,pass_rate\n0,0.2\n10,31.5\n20,35\n")
+    with pytest.raises(ScalingDataError, match=r"pct.csv:3: column 'pass_rate' is 31.5: .*percent scale"):
+        io.load_inputs([str(p)])
+
+
+def test_eval_size_comes_from_config_json(tmp_path):
+    d = write_workdir(tmp_path / "w", config={"recipe": "x", "seed": 0,
+                                              "eval": {"num_prompts": 256, "samples_per_prompt": 4}})
+    assert io.load_inputs([str(d)])[0].eval_samples == 1024
+    d2 = write_workdir(tmp_path / "v", config={"recipe": "x", "seed": 1, "eval": {"num_prompts": "many"}})
+    assert io.load_inputs([str(d2)])[0].eval_samples is None

@@ -6,6 +6,7 @@ Built on matplotlib.figure.Figure (no pyplot, no global backend switch), so they
 
 from __future__ import annotations
 
+import matplotlib
 import numpy as np
 from matplotlib.figure import Figure
 
@@ -87,19 +88,27 @@ def plot_asymptotes(results, path=None, c_top=None):
 
 
 def plot_heatmap(results, budgets, path=None):
-    """Predicted pass rate, recipes x compute budgets; '*' marks budgets beyond a recipe's data."""
+    """Predicted pass rate, recipes x compute budgets, with the 95% band in each cell; '*' marks budgets
+    beyond a recipe's data. Cells beyond the data of a recipe whose A is not measured are hidden
+    (grey, 'A?'): there the prediction only extrapolates an unknown ceiling."""
     budgets = np.asarray(budgets, dtype=float)
-    table = compare.budget_table(results, budgets)
-    fig = Figure(figsize=(1.2 + 0.9 * budgets.size, 0.8 + 0.5 * len(results)))
+    table, lo, hi, shown = compare.budget_bands(results, budgets)
+    masked = np.ma.masked_array(table, mask=~shown)
+    fig = Figure(figsize=(1.2 + 1.2 * budgets.size, 0.8 + 0.6 * len(results)))
     ax = fig.add_subplot()
-    im = ax.imshow(table, cmap="viridis", aspect="auto")
+    cmap = matplotlib.colormaps["viridis"].with_extremes(bad="0.85")
+    im = ax.imshow(masked, cmap=cmap, aspect="auto")
+    mid = masked.mean() if shown.any() else 0.0
     for i, r in enumerate(results):
         for j, b in enumerate(budgets):
+            if not shown[i, j]:
+                ax.text(j, i, "A?", ha="center", va="center", fontsize=8, color="0.3")
+                continue
             mark = "*" if b > r.c.max() else ""
-            ax.text(j, i, f"{table[i, j]:.2f}{mark}", ha="center", va="center", fontsize=8,
-                    color="white" if table[i, j] < table.mean() else "black")
+            ax.text(j, i, f"{table[i, j]:.2f}{mark}\n[{lo[i, j]:.2f}, {hi[i, j]:.2f}]", ha="center", va="center",
+                    fontsize=7, color="white" if table[i, j] < mid else "black")
     ax.set_xticks(range(budgets.size), [f"{b:.3g}" for b in budgets], fontsize=8)
     ax.set_yticks(range(len(results)), [r.name for r in results], fontsize=8)
-    ax.set_xlabel(_label(results[0]) + "   (* extrapolated)")
+    ax.set_xlabel(_label(results[0]) + "   (* extrapolated; [95% band]; A?: hidden, A not measured)")
     fig.colorbar(im, ax=ax, label="predicted pass rate")
     return _save(fig, path)
