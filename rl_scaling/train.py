@@ -106,6 +106,7 @@ def train(config, workdir: str) -> dict:
         rollouts = pipeline.from_config(config, task, stream, gen_cfg, state["params"], step)
         n_devices += rollouts.devices  # a remote rollout server's accelerators count as compute
     pending = None  # metrics are read one step late so the host never waits on the device
+    compile_clock = compute.CompileClock()
     last_eval = {}
     while step < config.steps:
         step += 1
@@ -117,11 +118,12 @@ def train(config, workdir: str) -> dict:
             ro = collect.sync_rollouts(state["params"], gen_cfg, task, stream, P, G, rng, length=length,
                                        dynamic_rounds=config.rollout.dynamic_sampling and config.rollout.dynamic_sampling_rounds,
                                        **gen_kw)
-            prompt_tokens, prompt_mask, out, rewards, correct = ro[:5]
+            prompt_tokens, prompt_mask, out, rewards, correct = ro.prompt_tokens, ro.prompt_mask, ro.out, ro.rewards, ro.correct
             rollout_metrics = {"time/rollout_s": time.time() - t_gen, **ro.metrics}
             generated = ro.generated  # (prompt, completion) lengths of every sampled sequence
         else:  # P whole prompt groups, at most rollout.max_staleness policy versions old
-            prompt_tokens, prompt_mask, out, raw, rollout_metrics = rollouts.next_batch()[:5]
+            rb = rollouts.next_batch()
+            prompt_tokens, prompt_mask, out, raw, rollout_metrics = rb.prompt_tokens, rb.prompt_mask, rb.out, rb.rewards, rb.metrics
             correct, rewards = (raw > 0).astype(np.float32), length.shape_rewards(raw, out.lengths_B)
             generated = (prompt_mask.sum(1), out.lengths_B)
         batch = collect.rl_batch(prompt_tokens, prompt_mask, out, rewards, P, G)
@@ -132,7 +134,11 @@ def train(config, workdir: str) -> dict:
         if npr is not None:  # No-Positive-Resampling: prompts that reached the threshold leave the stream
             rollout_metrics.update(npr.update(prompt_tokens[::G], prompt_mask[::G], correct.reshape(P, G)))
 
-        gen_flops, _ = compute.sequence_flops(train_cfg, *generated)
+        if rollouts is None:  # the sync sampler prefills every row
+            gen_flops, _ = compute.sequence_flops(train_cfg, *generated)
+        else:  # the engine prefills a group's prompt once; dropped stale groups were generated too
+            gen_flops = sum(compute.sequence_flops(train_cfg, *lens, group_size=G)[0] for lens in (generated, rb.dropped)
+                            if len(lens[0]))
         _, train_flops = compute.sequence_flops(train_cfg, prompt_mask.sum(1), out.lengths_B)
         counters["compute_flops"] += gen_flops + train_flops  # k minibatches split the batch: one pass over it
         counters["samples"] += len(generated[1])
@@ -140,7 +146,7 @@ def train(config, workdir: str) -> dict:
                 "response_len": float(out.lengths_B.mean()), "pass_rate_train": float(correct.mean()), **rollout_metrics}
         if pending is not None:
             writer.write(pending[0], {**jax.device_get(pending[1]), **pending[2]})
-        counters["accel_seconds"] += (time.time() - t0) * n_devices
+        counters["accel_seconds"] += max(time.time() - t0 - compile_clock.take(), 0.0) * n_devices
         pending = (step, step_metrics, {**host, **counters})
 
         is_eval = step % config.eval_every == 0 or step == config.steps

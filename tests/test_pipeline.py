@@ -171,6 +171,9 @@ def test_drop_policy_drops_stale_and_prefers_oldest(task):
     out = pipe.next_batch()
     assert list(out.sample_ids[::G] // G) == [new[1], new[2]] and list(out.staleness) == [1, 1, 0, 0]
     assert out.metrics["rollout/staleness_1"] == 2 and out.metrics["rollout/dropped_groups"] == 4
+    # the 4 dropped groups were generated all the same: their lengths reach the compute count, once
+    n = len(b.submitted[0].prompt)
+    assert list(out.dropped[0]) == [n] * (4 * G) and list(out.dropped[1]) == [T] * (4 * G)
 
 
 def test_duplicates_and_unknown_groups_are_ignored(task):

@@ -424,5 +424,5 @@ def compute_params(cfg: ModelConfig, active: bool = True) -> int:
     else:
         mlp = 3 * cfg.d_model * cfg.mlp_dim
     norms = 2 * cfg.d_model
-    head = 0 if cfg.tie_embeddings else cfg.d_model * cfg.vocab_size
+    head = cfg.d_model * cfg.vocab_size  # the LM head multiplies every token, tied to the embedding or not
     return cfg.n_layers * (attn + mlp + norms) + cfg.d_model + head

@@ -74,6 +74,7 @@ class StepData(NamedTuple):
     v_first: np.ndarray  # [P*G] policy version of each sample's first token
     v_last: np.ndarray  # [P*G] policy version of each sample's last token
     staleness: np.ndarray  # [P*G] trainer version - v_first
+    dropped: tuple = ((), ())  # (prompt, completion) lengths of the samples dropped as too stale since the last batch
 
 
 class EmbeddedBackend:
@@ -152,6 +153,7 @@ class Pipeline:
         self._ready: dict = {}  # group id -> GroupResult
         self._next_gid = 0
         self.counts = collections.Counter()
+        self._dropped_lengths = []  # (prompt, completion) lengths of dropped groups, until the next batch
         self.staleness_hist = np.zeros(self.k + 1, np.int64)  # samples trained on, by staleness
         self.trainer_wait_s = 0.0
         self._t_prev = None
@@ -203,7 +205,9 @@ class Pipeline:
             self._ready[r.group_id] = r
 
     def _drop(self, gid):
-        self._ready.pop(gid, None)
+        r = self._ready.pop(gid, None)
+        if r is not None:  # generated, then found too stale: its compute was spent all the same
+            self._dropped_lengths.append((np.full(len(r.lengths), len(r.prompt)), np.asarray(r.lengths)))
         self._outstanding.pop(gid)
         self._order.remove(gid)
         self.counts["dropped"] += 1
@@ -306,7 +310,9 @@ class Pipeline:
             metrics["rollout/gen_idle_frac"] = d["idle_s"] / max(d["busy_s"] + d["idle_s"], 1e-9)
             metrics["rollout/slot_occupancy"] = d["slot_steps"] / max(d["steps"] * gen["slots"], 1)
         self._t_prev, self._gen_prev = now, gen
-        return StepData(prompt_tokens, prompt_mask, out, rewards, metrics, ids, v_first, v_last, staleness)
+        dropped = tuple(np.concatenate(x) for x in zip(*self._dropped_lengths)) if self._dropped_lengths else ((), ())
+        self._dropped_lengths = []
+        return StepData(prompt_tokens, prompt_mask, out, rewards, metrics, ids, v_first, v_last, staleness, dropped)
 
     def close(self) -> None:
         with self._lock:
