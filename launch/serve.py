@@ -5,8 +5,17 @@
         --config.rollout.server=127.0.0.1:50051 --workdir=/tmp/tiny_remote
 
 Binds 127.0.0.1 unless --host names another interface (e.g. --host=0.0.0.0 on a pod's
-generator slice). The server holds no weights until the trainer pushes them; it serves
-the `rl_scaling.Rollout` gRPC service described in rl_scaling/rollout/server.py.
+generator slice). The server holds no weights until the trainer pushes them, or starts from
+--params (an Orbax params checkpoint such as WORKDIR/warmstart/params, or a Hugging Face
+directory); it serves the `rl_scaling.Rollout` gRPC service described in
+rl_scaling/rollout/server.py. With --jetstream it also serves JetStream's `Orchestrator`
+API (Decode, HealthCheck; rl_scaling/rollout/jetstream_service.py) over the same engine and
+weights, for JetStream's stock clients:
+
+    python launch/serve.py --config=configs/tiny.py --port=9000 --jetstream --params=runs/tiny/warmstart/params
+    python -m rl_scaling.rollout.jetstream_compat JetStream/jetstream/tools/requester.py \\
+        --server=127.0.0.1 --port=9000 --text="12+3=" --tokenizer=unused
+
 Ctrl-C or SIGTERM stops it cleanly; it exits with status 1 if its generator fails.
 """
 
@@ -28,6 +37,9 @@ _HOST = flags.DEFINE_string("host", "127.0.0.1", "Interface to bind; 127.0.0.1 (
 _PORT = flags.DEFINE_integer("port", 50051, "Port to bind; 0 picks a free one (see --port_file).")
 _PORT_FILE = flags.DEFINE_string("port_file", "", "If set, write the bound port here once serving.")
 _NUM_DEVICES = flags.DEFINE_integer("num_devices", 0, "Local devices for the engine's mesh; 0 = all.")
+_JETSTREAM = flags.DEFINE_bool("jetstream", False, "Also serve JetStream's Orchestrator API (Decode, HealthCheck).")
+_PARAMS = flags.DEFINE_string("params", "", "Start from these weights (Orbax params or a Hugging Face directory) "
+                              "as version 0, instead of waiting for a trainer's push.")
 
 
 def main(argv):
@@ -40,7 +52,8 @@ def main(argv):
     from rl_scaling.rollout import server as server_lib
 
     devices = jax.devices()[: _NUM_DEVICES.value or None]
-    srv = server_lib.serve(_CONFIG.value, host=_HOST.value, port=_PORT.value, devices=devices)
+    srv = server_lib.serve(_CONFIG.value, host=_HOST.value, port=_PORT.value, devices=devices,
+                           jetstream=_JETSTREAM.value, params=_PARAMS.value)
     stop = threading.Event()
 
     def on_signal(signum, frame):
@@ -55,7 +68,8 @@ def main(argv):
         with open(tmp, "w") as f:
             f.write(str(srv.port))
         os.replace(tmp, _PORT_FILE.value)
-    print(f"rollout server listening on {srv.address}", flush=True)
+    services = "rl_scaling.Rollout" + (" and jetstream_proto.Orchestrator" if _JETSTREAM.value else "")
+    print(f"rollout server ({services}) listening on {srv.address}", flush=True)
     error = ""
     while not stop.wait(0.5):
         error = srv.error()

@@ -4,6 +4,7 @@ and (slow) trainer and `launch/serve.py` as two processes, the server killed mid
 
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -119,11 +120,55 @@ def test_lost_server_stops_the_trainer_with_a_clear_error(mesh1, tiny_params):
         srv.stop()
 
 
-def test_server_binds_loopback_by_default():
-    import inspect
+def _listening_addresses(port):
+    """Local addresses of this machine's TCP sockets listening on `port` (Linux /proc/net)."""
+    out = []
+    for name, family in (("tcp", socket.AF_INET), ("tcp6", socket.AF_INET6)):
+        with open(f"/proc/net/{name}") as f:
+            rows = [line.split() for line in f.read().splitlines()[1:]]
+        for row in rows:
+            address, hex_port = row[1].split(":")
+            if row[3] == "0A" and int(hex_port, 16) == port:  # 0A: LISTEN
+                raw = bytes.fromhex(address)  # 32-bit words in host (little-endian) order
+                ip = socket.inet_ntop(family, b"".join(raw[i:i + 4][::-1] for i in range(0, len(raw), 4)))
+                out.append(ip.removeprefix("::ffff:"))  # an IPv4 address on an IPv6 socket
+    return sorted(out)
 
-    assert inspect.signature(server_lib.RolloutServer).parameters["host"].default == "127.0.0.1"
-    assert inspect.signature(server_lib.serve).parameters["host"].default == "127.0.0.1"
+
+def _non_loopback_address():
+    """This machine's address on its default route, if it has one (a UDP connect sends nothing)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        try:
+            s.connect(("192.0.2.1", 9))
+        except OSError:
+            return None
+        address = s.getsockname()[0]
+    return None if address.startswith("127.") or address == "0.0.0.0" else address
+
+
+def _accepts(address, port) -> bool:
+    try:
+        socket.create_connection((address, port), timeout=2).close()
+        return True
+    except OSError:
+        return False
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/net/tcp"), reason="reads the listening sockets from Linux /proc/net")
+def test_server_listens_on_loopback_only_by_default(mesh1):
+    eng = _engine(mesh1)
+    srv = server_lib.RolloutServer(eng, eng.load_params(), port=0).start()  # the default host
+    wide = server_lib.RolloutServer(eng, eng.load_params(), host="0.0.0.0", port=0).start()  # the check tells them apart
+    try:
+        assert _listening_addresses(srv.port) == ["127.0.0.1"]
+        assert _listening_addresses(wide.port) in (["0.0.0.0"], ["::"])  # IPv4 or dual-stack wildcard
+        assert _accepts("127.0.0.1", srv.port)
+        other = _non_loopback_address()
+        if other is not None:  # reachable from the machine's network address only when asked for
+            assert not _accepts(other, srv.port) and _accepts(other, wide.port)
+    finally:
+        srv.stop()
+        wide.stop()
 
 
 # ---- two processes ---------------------------------------------------------------------------
@@ -142,7 +187,10 @@ def _start_serve(tmp_path, name="serve"):
         assert proc.poll() is None, (tmp_path / f"{name}.log").read_text()
         assert time.time() < deadline, "launch/serve.py did not start"
         time.sleep(0.2)
-    return proc, f"127.0.0.1:{port_file.read_text().strip()}"
+    port = int(port_file.read_text())
+    if os.path.exists("/proc/net/tcp"):  # the launcher's default: loopback only
+        assert _listening_addresses(port) == ["127.0.0.1"]
+    return proc, f"127.0.0.1:{port}"
 
 
 @pytest.mark.slow

@@ -35,6 +35,9 @@ class GroupRequest:
     num_samples: int
     min_version: int = 0  # do not start before the engine has weights at least this new
     epoch: int = 0  # set by Generator.submit; results of an earlier epoch (before reset()) are dropped
+    # A streamed group (a JetStream Decode): each token as (sample, token id) as it is generated, then
+    # the GroupResult, go to this queue instead of `results`; reset() keeps it.
+    stream: queue.SimpleQueue | None = None
 
 
 @dataclasses.dataclass
@@ -116,10 +119,12 @@ class Generator:
             self._cv.notify_all()
 
     def reset(self) -> None:
-        """Forget all pending work; groups in flight finish but are never returned."""
+        """Forget all pending work but streamed groups; groups in flight finish but are never returned."""
         with self._cv:
             self._epoch += 1
+            kept = [r for r in self._pending if r.stream is not None]
             self._pending.clear()
+            self._pending.extend(kept)
             while True:
                 try:
                     self.results.get_nowait()
@@ -215,6 +220,10 @@ class Generator:
             lp_h[valid, pos] = cols["logprob"][valid]
             ver_h[valid, pos] = cols["version"][valid]
             forced_h[valid, pos] = cols["forced"][valid]
+            for s in valid:
+                group, j = owner[s]
+                if group.req.stream is not None:
+                    group.req.stream.put((j, int(cols["token"][s])))
             for s in np.nonzero(cols["done"])[0]:
                 group, j = owner[s]
                 n = int(cols["length"][s])
@@ -226,7 +235,9 @@ class Generator:
                 owner[s] = None
                 free.append(s)
                 group.done += 1
-                if group.done == group.req.num_samples and group.req.epoch == self._epoch:
+                if group.done == group.req.num_samples and group.req.stream is not None:
+                    group.req.stream.put(group.result())
+                elif group.done == group.req.num_samples and group.req.epoch == self._epoch:
                     self.results.put(group.result())
             self.steps += 1
             self.slot_steps += n_active

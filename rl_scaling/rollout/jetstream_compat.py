@@ -13,12 +13,19 @@ dependencies (see shared/design/FINDINGS.md, JetStream section):
 Everything the project uses from JetStream is re-exported here, so no other module
 imports `jetstream` directly. The import happens on first use of `load()`, never at
 module import, so `import rl_scaling.rollout.pipeline` stays cheap.
+
+JetStream's stock scripts (its `tools/requester.py`, which imports `token_utils` and so
+seqio) run with the same fixes through this module:
+
+    python -m rl_scaling.rollout.jetstream_compat JetStream/jetstream/tools/requester.py \
+        --server=127.0.0.1 --port=PORT --text="12+3=" --tokenizer=unused
 """
 
 from __future__ import annotations
 
 import importlib.util
 import logging
+import runpy
 import sys
 import threading
 import types
@@ -91,3 +98,16 @@ def __getattr__(name):  # `from rl_scaling.rollout.jetstream_compat import engin
     if hasattr(modules, name):
         return getattr(modules, name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def run_script(path: str, argv: list[str]) -> None:
+    """Run a JetStream script (`python path *argv`) with JetStream importable as above."""
+    load()
+    sys.argv = [path, *argv]
+    runpy.run_path(path, run_name="__main__")
+
+
+if __name__ == "__main__":
+    if len(sys.argv) < 2:
+        sys.exit("usage: python -m rl_scaling.rollout.jetstream_compat SCRIPT.py [ARGS...]")
+    run_script(sys.argv[1], sys.argv[2:])
