@@ -6,7 +6,11 @@
 Prints, per Table-1 row: noise-free recovery (A error, B and C_mid relative errors, direct vs grid
 residuals), then with Gaussian noise: median |A error|, coverage of the 95% intervals of A, B, C_mid,
 the share of replicates flagged 'A not identifiable', and the coverage of the 95% prediction interval of
-the last point when fitting only the first half of the window. Then the bootstrap timing.
+the last point when fitting only the first half of the window. Then the same prediction-interval coverage
+on a paper-like curve (A 0.61, B 1.97) with binomial eval noise (--prompts, linear and log-spaced evals)
+and how often each diagnostic flags these clean curves. Then the bootstrap timing.
+
+    python launch/bench_fit.py --only=binomial --replicates=200    # the binomial study alone (~5 min)
 """
 
 from __future__ import annotations
@@ -35,12 +39,46 @@ def main(argv=None):
                     help="full: all 40 points; paper: drop compute below 1.5/16 of the largest")
     ap.add_argument("--spacing", choices=("linear", "log"), default="linear")
     ap.add_argument("--grid-inner", choices=("curve_fit", "batched"), default="curve_fit")
+    ap.add_argument("--prompts", default="256x4,1000x16,256,1000",
+                    help="binomial study: evals as PROMPTSxSAMPLES (samples per prompt, default 1): the tiny "
+                         "eval (256x4), the paper's (1000x16), and one sample per prompt (the noisiest reading)")
+    ap.add_argument("--only", choices=("all", "table1", "binomial"), default="all")
     ap.add_argument("--json", help="also write the results here")
     ap.add_argument("--seed", type=int, default=0)
     a = ap.parse_args(argv)
     rows = cal.TABLE1 if a.rows == "all" else tuple(cal.TABLE1[int(i)] for i in a.rows.split(","))
     out = {"settings": vars(a)}
+    if a.only in ("all", "table1"):
+        _table1(a, rows, out)
+    if a.only in ("all", "binomial"):
+        _binomial(a, out)
+    out["timing"] = cal.bootstrap_timing(a.n_boot)
+    print(f"\n== timing == {a.n_boot}-replicate bootstrap of one curve: {out['timing']['bootstrap_s']:.3f} s; "
+          f"whole summary (fit, 2 bootstraps, power law, early/late): {out['timing']['full_fit_summary_s']:.3f} s")
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(out, f, indent=1)
+    return out
 
+
+def _binomial(a, out):
+    print(f"\n== paper-like curve (A {cal.PAPER_LIKE[3]}, B {cal.PAPER_LIKE[2]}), binomial noise, {a.replicates} "
+          f"replicates x {a.n_boot} bootstrap: 95% PI of the last eval fitted on the first half; flag rates ==")
+    out["binomial"] = []
+    t0 = time.time()
+    for k, spec in enumerate(a.prompts.split(",")):
+        prompts, samples = (int(v) for v in (spec.split("x") + ["1"])[:2])
+        for spacing in ("linear", "log"):
+            r = cal.binomial(prompts, spacing, a.replicates, a.n_boot, samples_per_prompt=samples,
+                             seed=a.seed + 10 * k + (spacing == "log"))
+            out["binomial"].append(r)
+            rates = ", ".join(f"{c} {v:.2f}" for c, v in r["flag_rates"].items() if v) or "none"
+            print(f"{prompts:5d} prompts x {samples:2d} {spacing:6s}  PI coverage {r['pi_coverage_last']:.3f}  "
+                  f"flagged: {rates}", flush=True)
+    print(f"({time.time() - t0:.0f} s)")
+
+
+def _table1(a, rows, out):
     print("== noise-free curves (R0 = 0.3, 40 points 0.1x-4x C_mid) ==")
     out["noise_free"] = cal.noise_free(rows, a.grid_inner)
     for r in out["noise_free"]:
@@ -63,14 +101,6 @@ def main(argv=None):
               f"{r['pi_coverage_last']:6.2f} {r['median_abs_last_err']:9.4f} {r['max_ssr_direct_over_grid']:8.4f}",
               flush=True)
     print(f"({time.time() - t0:.0f} s)")
-
-    out["timing"] = cal.bootstrap_timing(a.n_boot)
-    print(f"\n== timing == {a.n_boot}-replicate bootstrap of one curve: {out['timing']['bootstrap_s']:.3f} s; "
-          f"whole summary (fit, 2 bootstraps, power law, early/late): {out['timing']['full_fit_summary_s']:.3f} s")
-    if a.json:
-        with open(a.json, "w") as f:
-            json.dump(out, f, indent=1)
-    return out
 
 
 if __name__ == "__main__":

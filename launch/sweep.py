@@ -295,8 +295,11 @@ def comparison_markdown(fit, runs_info, failed, record, args):
                      f"{_fmt(avg('npr_removed'), '.0f')} | {_fmt(sum(walls) / len(walls) / 60, '.1f')} |")
     cmp_ = (fit or {}).get("comparison")
     if cmp_:
-        lines += ["", "Ranking (the paper's rule: A within the 0.02 margin -> refit with the mean A and compare B): "
-                  + ", ".join(f"{r['rank']}. {r['name']} ({r['wins']} wins)" for r in cmp_["ranking"]), ""]
+        rank = ("Ranking (the paper's rule: A within the 0.02 margin -> refit with the mean A and compare B): "
+                + ", ".join(f"{r['rank']}. {r['name']} ({r['wins']} wins)" for r in cmp_["ranking"])
+                if cmp_["ranking"] else "")
+        note = f"{cmp_['ranking_note'][0].upper()}{cmp_['ranking_note'][1:]}." if cmp_.get("ranking_note") else ""
+        lines += ["", " ".join(filter(None, (rank, note))), ""]
         for p in cmp_["pairs"]:
             warn = f" ({p['warning']})" if p.get("warning") else ""
             lines.append(f"- {p['a']} vs {p['b']}: {p['winner']} ({p['rule']}; P(A_{p['a']} > A_{p['b']}) = "

@@ -2,8 +2,9 @@
 
 Each row gives (C_mid, B, A); the curves have R0 = 0.3 and 40 evals linearly spaced (evals every k
 steps) from 0.1x to 4x C_mid, plus the initial eval at compute 0. With noise sd 0.01 (1,000 prompts x 16
-samples) we measure how often the 95% intervals cover the truth. `launch/bench_fit.py` is the CLI;
-tests run reduced versions.
+samples) we measure how often the 95% intervals cover the truth. `binomial` does the same for the
+prediction interval with binomial eval noise (a finite prompt set) and counts the diagnostics' false
+alarms on these clean curves. `launch/bench_fit.py` is the CLI; tests run reduced versions.
 """
 
 from __future__ import annotations
@@ -12,7 +13,8 @@ import time
 
 import numpy as np
 
-from rl_scaling.scaling import api, fit as fitlib, law, uncertainty as unc
+from rl_scaling.scaling import api, diagnostics, fit as fitlib, law, uncertainty as unc
+from rl_scaling.scaling.io import Run
 
 # (name, C_mid [GPU-hours], B, A) from Table 1 of the paper
 TABLE1 = (
@@ -28,6 +30,8 @@ TABLE1 = (
     ("math+code: code", 1675, 1.09, 0.615),
 )
 R0 = 0.3
+# A paper-like curve for the binomial study: ScaleRL 8B's C_mid and A, B between its 1.92 and the others'
+PAPER_LIKE = ("paper-like", 2542, 1.97, 0.610)
 
 
 def table1_curve(row, n=40, lo=0.1, hi=4.0, spacing="linear"):
@@ -96,6 +100,31 @@ def noisy(row, replicates=200, n_boot=1000, noise=0.01, r0_mode="noisy", c_min=0
             "pi_coverage_last": float(np.mean(rec["pi_cov"])),
             "median_abs_last_err": float(np.median(rec["last_err"])),
             "max_ssr_direct_over_grid": float(np.max(rec["ssr_ratio"])) if rec["ssr_ratio"] else None}
+
+
+def binomial(prompts, spacing="linear", replicates=200, n_boot=1000, samples_per_prompt=1, row=PAPER_LIKE,
+             seed=0, c_min=0.0, holdout=0.5):
+    """Coverage of the 95% prediction interval of the last eval, fitting the evals up to `holdout` of the
+    compute, when each eval is the mean of prompts x samples_per_prompt Bernoulli outcomes (the
+    initial eval too). Also the share of these clean curves that each diagnostic flags (false alarms).
+    """
+    name, cm, B, A = row
+    c, p = table1_curve(row, spacing=spacing)
+    n_eval = prompts * samples_per_prompt
+    rng = np.random.default_rng(seed)
+    covered, flags = [], {k: 0 for k in diagnostics.FLAG_CODES}
+    for i in range(replicates):
+        y = rng.binomial(n_eval, p) / n_eval
+        run = Run(name=name, recipe=name, seed=None, compute=c, pass_rate=y, source=name, axis="gpu_hours",
+                  eval_samples=n_eval)
+        res = api.fit_runs([run], c_min=c_min, n_boot=n_boot, seed=seed * 100003 + i, unit="gpu_hours",
+                           holdout=holdout)
+        covered.append(res.summary()["extrapolation"]["last_point"]["covered"])
+        for code in {k for k, _ in res.flags}:
+            flags[code] += 1
+    return {"row": name, "prompts": prompts, "samples_per_prompt": samples_per_prompt, "spacing": spacing,
+            "replicates": replicates, "pi_coverage_last": float(np.mean(covered)),
+            "flag_rates": {k: v / replicates for k, v in flags.items()}}
 
 
 def bootstrap_timing(n_boot=1000, repeats=3):
