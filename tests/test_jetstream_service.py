@@ -8,8 +8,10 @@ import json
 import os
 import pickle
 import re
+import signal
 import subprocess
 import sys
+import time
 import zipfile
 
 import grpc
@@ -48,18 +50,17 @@ def served(mesh1, tiny_params):
         srv.stop()
 
 
-@pytest.fixture(scope="module")
-def greedy(tiny_params):
+def greedy_decoder(cfg, params, max_len=PB + T, max_new_tokens=T):
     """Greedy continuation of a prompt by full forward passes over the whole sequence so far."""
-    L = PB + T
+    L = max_len
 
     @jax.jit
     def logits_at(tokens_L, n):
         mask = (jnp.arange(L) < n)[None]
-        logits, _ = model_lib.Decoder(TINY).apply({"params": tiny_params}, tokens_L[None], jnp.arange(L)[None], mask)
+        logits, _ = model_lib.Decoder(cfg).apply({"params": params}, tokens_L[None], jnp.arange(L)[None], mask)
         return logits[0, n - 1]
 
-    def run(prompt_ids, max_tokens=T):
+    def run(prompt_ids, max_tokens=max_new_tokens):
         seq, out = list(prompt_ids), []
         while len(out) < max_tokens:
             logits = np.asarray(logits_at(jnp.asarray(seq + [0] * (L - len(seq)), jnp.int32), len(seq)))
@@ -73,6 +74,11 @@ def greedy(tiny_params):
         return out
 
     return run
+
+
+@pytest.fixture(scope="module")
+def greedy(tiny_params):
+    return greedy_decoder(TINY, tiny_params)
 
 
 def _stub(channel):
@@ -120,6 +126,30 @@ def test_stock_stub_health_then_decode_matches_greedy_reference(served, greedy, 
         # token ids in, token ids out (client-side tokenization: no text)
         samples = _samples(stub, _token_request(TOK.encode(text), max_tokens=T + 5))  # capped at the budget
         assert [t for s in samples for t in s.token_ids] == expected and all(s.text == "" for s in samples)
+
+
+def test_generator_streams_each_token_then_the_result_and_reset_keeps_streamed_groups(served, tiny_params):
+    """What Decode builds on: a streamed group's tokens arrive one by one, in order, before its
+    result, never on the trainer's result queue; a new trainer session (reset) keeps it pending."""
+    import queue
+
+    srv, _ = served
+    srv.holder.set(tiny_params, max(srv.holder.version, 0))
+    version = srv.holder.version
+    stream = queue.SimpleQueue()
+    prompt = np.asarray(TOK.encode("<bos>045+007="), np.int32)
+    srv.generator.submit([generator_lib.GroupRequest(-100, prompt, 2, min_version=version + 1, stream=stream)])
+    srv.generator.reset()  # it waits for newer weights when the session changes: it stays
+    srv.holder.set(tiny_params, version + 1)
+    items = [stream.get(timeout=60)]
+    while not isinstance(items[-1], generator_lib.GroupResult):
+        items.append(stream.get(timeout=60))
+    result, tokens = items[-1], items[:-1]
+    assert result.group_id == -100 and srv.generator.results.empty()
+    for j in range(2):
+        streamed = [t for sample, t in tokens if sample == j]
+        assert streamed == result.tokens[j, :result.lengths[j]].tolist()
+    assert len(tokens) == int(result.lengths.sum())
 
 
 def _rpc_error(call, *args):
@@ -175,6 +205,18 @@ def test_malformed_decode_and_health_check_get_invalid_argument(served, greedy, 
         assert err.details().startswith(("Decode: ", "HealthCheck: ")) and "Traceback" not in err.details()
         assert re.search(message, err.details()), err.details()
     _assert_serves(srv, channel, greedy)
+
+
+def test_server_fault_is_internal_with_one_line(served, monkeypatch):
+    srv, channel = served
+
+    def broken():
+        raise RuntimeError("injected fault")
+
+    monkeypatch.setattr(srv, "_stats", broken)
+    err = _rpc_error(channel.unary_unary("/rl_scaling.Rollout/Health"), server_lib.pack({}))
+    assert err.code() == grpc.StatusCode.INTERNAL
+    assert err.details() == "Health: server error: RuntimeError: injected fault"
 
 
 class _Marker:
@@ -304,3 +346,47 @@ def test_stock_script_runs_through_the_compat_module(served, greedy, tiny_params
     assert out.returncode == 0, out.stderr[-2000:]
     expected = TOK.decode(greedy([TOK.bos_id, *TOK.encode("12+3=")], max_tokens=3))
     assert out.stdout.strip().splitlines()[-1] == f"Response: {expected}"
+
+
+@pytest.mark.slow
+def test_launcher_serves_jetstream_from_a_params_checkpoint(tmp_path):
+    """`launch/serve.py --jetstream --params=DIR` in its own process, asked by the stock stub."""
+    from flax import linen as nn
+
+    from configs import tiny
+    from rl_scaling import checkpoint, config as config_lib
+
+    config = tiny.get_config()
+    cfg = config_lib.model_config(config, config.rollout.fp32_lm_head)
+    params = nn.unbox(model_lib.init_params(cfg, jax.random.key(3)))
+    checkpoint.save_params(str(tmp_path / "params"), params)
+    port_file = tmp_path / "port"
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env.update(JAX_PLATFORMS="cpu", PYTHONPATH=ROOT)
+    log = open(tmp_path / "serve.log", "w")
+    proc = subprocess.Popen([sys.executable, os.path.join(ROOT, "launch", "serve.py"), "--port=0", f"--port_file={port_file}",
+                             "--jetstream", f"--params={tmp_path / 'params'}", "--config.rollout.temperature=1e-6",
+                             "--config.rollout.length_control=none", f"--config.rollout.max_new_tokens={T}",
+                             "--config.rollout.engine_slots=4"], env=env, stdout=log, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.time() + 120
+        while not port_file.exists():
+            assert proc.poll() is None and time.time() < deadline, (tmp_path / "serve.log").read_text()[-2000:]
+            time.sleep(0.2)
+        with grpc.insecure_channel(f"127.0.0.1:{port_file.read_text()}") as channel:
+            stub = _stub(channel)
+            assert stub.HealthCheck(pb.HealthCheckRequest(), timeout=30).is_live is True
+            err = _rpc_error(channel.unary_stream("/jetstream_proto.Orchestrator/Decode"), b"\xff\x00")
+            assert err.code() == INVALID
+            greedy = greedy_decoder(cfg, params, config.task.max_prompt_len + T)
+            for text in ("12+3=", "045+007="):
+                samples = _samples(stub, _text_request(text))
+                expected = greedy([TOK.bos_id, *TOK.encode(text)])
+                assert [t for s in samples for t in s.token_ids] == expected
+                assert "".join(s.text for s in samples) == TOK.decode(expected)
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(30) == 0
+    finally:
+        proc.kill()
+        proc.wait(30)
+    assert "Traceback" not in (tmp_path / "serve.log").read_text()

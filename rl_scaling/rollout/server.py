@@ -87,6 +87,8 @@ def _abort_with(method: str, context, e: Exception):
         code = grpc.StatusCode.INVALID_ARGUMENT
     elif isinstance(e, Refused):
         code = e.code
+    elif not context.is_active():  # the client hung up mid-request (a cancelled stream raises here)
+        return
     else:  # a fault of the server's own: the traceback goes to its log, one line to the client
         log.error("%s failed", method, exc_info=e)
         code, e = grpc.StatusCode.INTERNAL, f"server error: {type(e).__name__}: {e}"
