@@ -40,11 +40,12 @@ def get_config(arg=None):
     config = dense_8b.get_config(arg)
     config.model = ml_collections.ConfigDict(dict(
         preset="scout", dtype="bfloat16", param_dtype="float32", remat=True, attn_query_chunk=1024,
+        moe_impl="expert_parallel",  # tokens travel to their experts over mesh.expert (policy/moe.py)
         router_aux_loss_coef=0.001,  # Switch load balancing, coef * E * sum_e f_e * P_e, mean over layers
     ))
     config.rl.grad_accum = 12
     config.rollout.engine_slots = 128
-    config.mesh = ml_collections.ConfigDict(dict(data=1, fsdp=-1, tensor=1, expert=1))
+    config.mesh = ml_collections.ConfigDict(dict(data=1, fsdp=-1, tensor=1, expert=16))
     config.tpu = ml_collections.ConfigDict(dict(
         train_topology="v5p:4x4x4", gen_topology="v5p:4x4x4",
         gen_mesh=dict(data=8, fsdp=1, tensor=8, expert=1), hbm_gib=0.0,

@@ -29,7 +29,9 @@ LOGICAL_RULES = (
     ("batch", ("data", "fsdp", "expert")),
     ("length", None),
     ("cache_length", None),
-    ("embed", "fsdp"),
+    # Dense weights are split over `expert` too: there it is one more data-parallel axis for them.
+    ("embed", ("fsdp", "expert")),
+    ("expert_embed", "fsdp"),  # the D axis of the routed experts, already split over `expert`
     ("vocab", "tensor"),
     ("heads", "tensor"),
     ("kv_heads", "tensor"),

@@ -1,5 +1,7 @@
 """MoE layer: dropless ragged dispatch == dense oracle (values and gradients), the sharded
-shard_map path == the single-device path, sown router metrics. (KV-cache decode == recompute
+shard_map path == the single-device path, expert parallelism over 2, 4 and 8 fake devices ==
+the dense oracle (values and gradients, balanced and all-to-one-expert routing), the padded
+stand-in for ragged_all_to_all == the collective's documented semantics, sown router metrics. (KV-cache decode == recompute
 on an MoE model is in test_hf_parity.py, on a model imported from transformers.)"""
 
 import os
@@ -126,3 +128,130 @@ def test_bfloat16_runs_and_rejects_bad_impl(params):
     assert logits.dtype == jnp.float32 and np.isfinite(np.asarray(logits)).all()
     with pytest.raises(ValueError, match="moe_impl"):
         _apply(dataclasses.replace(CFG, moe_impl="capacity"), params, *_batch())
+
+
+# ---- expert parallelism ------------------------------------------------------------------------
+
+
+def _ragged_all_to_all_numpy(operands, input_offsets, send_sizes, output_offsets, recv_sizes, out_rows):
+    """jax.lax.ragged_all_to_all's documented pseudocode, over a list of per-device arrays."""
+    n, K = len(operands), len(input_offsets[0])
+    per = K // n
+    outs = [np.zeros((out_rows,) + operands[0].shape[1:], operands[0].dtype) for _ in range(n)]
+    for src in range(n):
+        for j in range(K):
+            dst = j // per
+            rows = operands[src][input_offsets[src][j]:input_offsets[src][j] + send_sizes[src][j]]
+            # the receiver's slice index for it: (src, j % per); sizes must agree
+            assert recv_sizes[dst][src * per + j % per] == send_sizes[src][j]
+            outs[dst][output_offsets[src][j]:output_offsets[src][j] + len(rows)] = rows
+    return outs
+
+
+def _run_padded(mesh, operand, args, out_rows, peer_rows):
+    P = jax.sharding.PartitionSpec
+    f = lambda o, *a: moe.ragged_all_to_all_padded(o, out_rows, *a, "expert", peer_rows)  # noqa: E731
+    with jax.set_mesh(mesh):
+        g = jax.jit(lambda o, *a: jax.shard_map(f, mesh=mesh, in_specs=(P("expert"),) * 5, out_specs=P("expert"))(o, *a))
+        return np.asarray(g(operand, *[jnp.asarray(np.concatenate(a)) for a in args]))
+
+
+def test_padded_exchange_matches_documented_example():
+    """The two-device example of the jax.lax.ragged_all_to_all docstring."""
+    mesh = sharding.make_mesh({"expert": 2}, devices=jax.devices()[:2])
+    operand = jnp.array([1, 2, 2, 3, 4, 0], jnp.float32)
+    args = ([[0, 1], [0, 1]], [[1, 2], [1, 1]], [[0, 0], [1, 2]], [[1, 1], [2, 1]])
+    got = _run_padded(mesh, operand, [np.array(a, np.int32) for a in args], out_rows=4, peer_rows=3)
+    np.testing.assert_array_equal(got, [1, 3, 0, 0, 2, 2, 4, 0])
+
+
+def test_padded_exchange_matches_pseudocode_with_several_slices_per_peer():
+    """4 devices, 2 slices to each peer (as when each device holds 2 experts), random sizes."""
+    n, per, rows, out_rows = 4, 2, 6, 12
+    rng = np.random.default_rng(0)
+    send = [rng.multinomial(rng.integers(0, rows + 1), np.ones(n * per) / (n * per)).astype(np.int32) for _ in range(n)]
+    in_off = [np.cumsum(s) - s for s in send]
+    recv = [np.concatenate([send[src][dst * per:(dst + 1) * per] for src in range(n)]) for dst in range(n)]
+    # receiver layout: source-major, so each receiver's slices are packed in order
+    out_off = [np.zeros(n * per, np.int32) for _ in range(n)]
+    for dst in range(n):
+        start = np.cumsum(recv[dst]) - recv[dst]
+        for src in range(n):
+            out_off[src][dst * per:(dst + 1) * per] = start[src * per:(src + 1) * per]
+    operands = [rng.normal(size=(rows, 3)).astype(np.float32) for _ in range(n)]
+    want = _ragged_all_to_all_numpy(operands, in_off, send, out_off, recv, out_rows)
+    mesh = sharding.make_mesh({"expert": n}, devices=jax.devices()[:n])
+    got = _run_padded(mesh, jnp.asarray(np.concatenate(operands)), [in_off, send, out_off, recv], out_rows, rows)
+    np.testing.assert_array_equal(got, np.concatenate(want))
+
+
+EP_CFG = dataclasses.replace(CFG, num_experts=8, shared_expert=False)
+EP_K = {"spread": 2, "one_expert": 1}  # experts per token of each case
+EP_MESHES = [{"expert": 2, "fsdp": 2, "tensor": 2}, {"expert": 4, "tensor": 2}, {"expert": 8}]
+
+
+@pytest.fixture(scope="module")
+def ep_cases():
+    """Two routings over 16 tokens and 8 experts: spread (top-2, sharp router) and all tokens to
+    expert 5 (top-1: one device receives every token of its expert group)."""
+    x = jax.random.normal(jax.random.key(3), (4, 4, EP_CFG.d_model))
+    with jax.set_mesh(_one_device_mesh()):
+        p = nn.unbox(jax.jit(moe.MoeMlp(EP_CFG).init)(jax.random.key(4), x))["params"]
+    spread = dict(p, router=p["router"] * 5.0)
+    one = dict(p, router=(p["router"] * 0.1).at[0, 5].set(1.0))
+    x_one = x.at[..., 0].set(4.0)  # logit of expert 5 ~ 4, the others ~ 0.1
+    return jax.device_get({"spread": (spread, x), "one_expert": (one, x_one)})
+
+
+def _values_and_grads(cases, impl):
+    outs = {}
+    for name, (p, x) in cases.items():
+        cfg = dataclasses.replace(EP_CFG, num_experts_per_tok=EP_K[name], moe_impl=impl)
+
+        def f(p, x):
+            return moe.MoeMlp(cfg).apply({"params": p}, x, mutable="intermediates")
+
+        loss = lambda p, x: jnp.sum(jnp.sin(f(p, x)[0]))  # noqa: E731
+        (y, inter) = f(p, x)
+        outs[name] = (y, inter["intermediates"], jax.grad(loss, argnums=(0, 1))(p, x))
+    return outs
+
+
+@pytest.fixture(scope="module")
+def ep_dense(ep_cases):
+    with jax.set_mesh(_one_device_mesh()):
+        return jax.jit(lambda c: _values_and_grads(c, "dense"))(ep_cases)
+
+
+@pytest.mark.parametrize("shape", EP_MESHES, ids=lambda s: "x".join(f"{k}{v}" for k, v in s.items()))
+def test_expert_parallel_equals_dense_values_and_grads(shape, ep_cases, ep_dense):
+    if len(jax.devices()) < 8:
+        pytest.skip("needs 8 (fake) devices")
+    mesh = sharding.make_mesh(shape)
+    with jax.set_mesh(mesh):
+        fn = jax.jit(lambda c: _values_and_grads(c, "expert_parallel"))
+        text = fn.lower(ep_cases).as_text()
+        assert "all_to_all" in text and "ragged" not in text  # the padded stand-in on CPU
+        got = fn(ep_cases)
+    one_load = np.asarray(got["one_expert"][1]["expert_load"][0])
+    np.testing.assert_array_equal(one_load, np.eye(8)[5])  # every token went to expert 5
+    for name in ep_cases:
+        (y, inter, grads), (y_d, inter_d, grads_d) = got[name], ep_dense[name]
+        np.testing.assert_allclose(y, y_d, atol=1e-5, rtol=1e-5)
+        for a, b in zip(jax.tree.leaves(grads), jax.tree.leaves(grads_d)):
+            np.testing.assert_allclose(a, b, atol=1e-5, rtol=1e-5)
+        # the router metrics are over the global batch, whatever the mesh
+        np.testing.assert_allclose(inter["router_aux_loss"][0], inter_d["router_aux_loss"][0], rtol=1e-6)
+        np.testing.assert_allclose(inter["expert_load"][0], inter_d["expert_load"][0], rtol=1e-6)
+
+
+def test_expert_parallel_without_expert_axis_is_the_ragged_path(ep_cases):
+    p, x = ep_cases["spread"]
+    cfg = dataclasses.replace(EP_CFG, num_experts_per_tok=EP_K["spread"])
+    mesh = sharding.make_mesh({"fsdp": 2, "tensor": 2}, devices=jax.devices()[:4])
+    with jax.set_mesh(mesh):
+        ys = [jax.jit(moe.MoeMlp(dataclasses.replace(cfg, moe_impl=i)).apply)({"params": p}, x)
+              for i in ("expert_parallel", "ragged")]
+        assert "all_to_all" not in str(jax.make_jaxpr(moe.MoeMlp(dataclasses.replace(cfg, moe_impl="expert_parallel")).apply)(
+            {"params": p}, x))
+    np.testing.assert_array_equal(ys[0], ys[1])

@@ -61,6 +61,8 @@ Sown into the "intermediates" collection (stacked over layers by the scan):
 
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
 from flax import linen as nn
@@ -68,7 +70,7 @@ from flax import linen as nn
 from rl_scaling import sharding
 from rl_scaling.policy.model import DTYPES, ModelConfig, SwiGLU
 
-IMPLS = ("ragged", "dense")
+IMPLS = ("ragged", "expert_parallel", "dense")
 
 
 def _expert_init():
@@ -157,7 +159,134 @@ def experts_sharded(x_SD, idx_SK, gate_SK, wg_EDF, wu_EDF, wo_EFD, dtype):
         local, mesh=mesh,
         in_specs=(tok, tok, tok, P(None, None, t), P(None, None, t), P(None, t, None)),
         out_specs=tok,
-    )(x_SD, idx_SK, gate_SK, wg_EDF, wu_EDF, wo_EFD)
+    )(x_SD, idx_SK, gate_SK, *(w.astype(dtype) for w in (wg_EDF, wu_EDF, wo_EFD)))  # gathered in the body dtype
+
+
+def _exclusive_cumsum(a, axis=-1):
+    return jnp.cumsum(a, axis=axis) - a
+
+
+def ragged_all_to_all_padded(operand, out_rows, input_offsets, send_sizes, output_offsets, recv_sizes, axis_name,
+                             peer_rows):
+    """`jax.lax.ragged_all_to_all` into a zero buffer of `out_rows` rows, built from a plain
+    all_to_all (which every backend lowers; XLA:CPU has no ragged-all-to-all).
+
+    Same arguments and result as the ragged collective (K = len(send_sizes) slices, K/n to each
+    of the n devices on the axis). Each device packs its slices for destination d one after
+    another into a [n, peer_rows, ...] buffer, so `peer_rows` must bound the rows sent to any one
+    peer; the buffer crosses the axis whole, padding included: n * peer_rows rows per device."""
+    n = jax.lax.axis_size(axis_name)
+    per = send_sizes.shape[0] // n
+    rows = jnp.arange(peer_rows)
+
+    def slots(sizes_nP):
+        """For each buffer row of each peer: (slice within the peer's chunk, row within the slice, valid)."""
+        start_nP = _exclusive_cumsum(sizes_nP, axis=1)
+        s_nC = jnp.sum(rows[None, None, :] >= (start_nP + sizes_nP)[:, :, None], axis=1)
+        s_nC = jnp.minimum(s_nC, per - 1)
+        within = rows[None, :] - jnp.take_along_axis(start_nP, s_nC, axis=1)
+        valid = within < jnp.take_along_axis(sizes_nP, s_nC, axis=1)
+        return s_nC, within, valid
+
+    s, within, valid = slots(send_sizes.reshape(n, per))
+    src = jnp.take_along_axis(input_offsets.reshape(n, per), s, axis=1) + within
+    trailing = (1,) * (operand.ndim - 1)
+    buf = jnp.where(valid.reshape(valid.shape + trailing), operand[jnp.where(valid, src, 0)], 0)  # [n, peer_rows, ...]
+    got = jax.lax.all_to_all(buf, axis_name, 0, 0)  # got[i]: what device i packed for this one
+    s, within, valid = slots(recv_sizes.reshape(n, per))
+    dst_offsets = jax.lax.all_to_all(output_offsets, axis_name, 0, 0, tiled=True).reshape(n, per)
+    dst = jnp.where(valid, jnp.take_along_axis(dst_offsets, s, axis=1) + within, out_rows)  # out_rows: dropped
+    out = jnp.zeros((out_rows,) + operand.shape[1:], operand.dtype)
+    return out.at[dst.reshape(-1)].add(got.reshape((-1,) + operand.shape[1:]), mode="drop")
+
+
+def _ragged_all_to_all(operand, out_rows, input_offsets, send_sizes, output_offsets, recv_sizes, axis_name):
+    out = jnp.zeros_like(operand, shape=(out_rows,) + operand.shape[1:])  # varying like the operand
+    return jax.lax.ragged_all_to_all(operand, out, input_offsets, send_sizes, output_offsets, recv_sizes,
+                                     axis_name=axis_name)
+
+
+def exchange(operand, out_rows, input_offsets, send_sizes, output_offsets, recv_sizes, axis_name, peer_rows):
+    """ragged_all_to_all where the backend has it (TPU, GPU), its padded stand-in on CPU; the
+    choice is made when the program is lowered for its platform."""
+    args = (operand, input_offsets, send_sizes, output_offsets, recv_sizes)
+    ragged = lambda o, *a: _ragged_all_to_all(o, out_rows, *a, axis_name)  # noqa: E731
+    padded = lambda o, *a: ragged_all_to_all_padded(o, out_rows, *a, axis_name, peer_rows)  # noqa: E731
+    return jax.lax.platform_dependent(*args, cpu=padded, default=ragged)
+
+
+def experts_expert_parallel_local(x_SD, idx_SK, gate_SK, wg_LDF, wu_LDF, wo_LFD, *, dtype, axis_name, exchange_fn):
+    """One device's share of expert parallelism (inside shard_map over `axis_name`, n devices,
+    each holding L = E / n consecutive experts): its S tokens' S*K (token, expert) pairs go to
+    the devices that hold their experts and come back with the outputs. Returns [S, D] float32,
+    a partial sum when the expert hidden dimension is split (the caller psums it)."""
+    S, K = idx_SK.shape
+    L = wg_LDF.shape[0]
+    n = jax.lax.axis_size(axis_name)
+    E, N = n * L, S * K
+    me = jax.lax.axis_index(axis_name)
+    flat_e = idx_SK.reshape(-1)
+    order = jnp.argsort(flat_e, stable=True)  # pairs grouped by expert, hence by destination
+    xs_ND = (x_SD[order // K].astype(jnp.float32) * gate_SK.reshape(-1)[order][:, None]).astype(dtype)
+
+    # Everyone's counts (n*E ints): every device derives every offset, no second handshake.
+    count_nE = jax.lax.all_gather(jnp.bincount(flat_e, length=E).astype(jnp.int32), axis_name)
+    total_E = count_nE.sum(0)
+    # On an expert's device its rows sit grouped by local expert, sources in order within one:
+    # expert e's block starts after the earlier experts of the same device.
+    block_nL = _exclusive_cumsum(total_E).reshape(n, L)
+    block_E = (block_nL - block_nL[:, :1]).reshape(E)
+    dst_off_nE = block_E[None] + _exclusive_cumsum(count_nE, axis=0)  # source i's rows of e, there
+    src_off_nE = _exclusive_cumsum(count_nE, axis=1)  # the same rows in source i's sorted buffer
+    mine = lambda a_nE: jax.lax.dynamic_slice_in_dim(a_nE, me * L, L, axis=1).reshape(-1)  # noqa: E731
+    # Slice e of this device goes to device e // L; slice i*L + l received comes from device i.
+    recv_MD = exchange_fn(xs_ND, n * N, src_off_nE[me], count_nE[me], dst_off_nE[me], mine(count_nE),
+                          axis_name, N)
+
+    group_sizes = jax.lax.dynamic_slice_in_dim(total_E, me * L, L)  # rows past their sum are padding
+    g = jax.lax.ragged_dot(recv_MD, wg_LDF.astype(dtype), group_sizes)
+    u = jax.lax.ragged_dot(recv_MD, wu_LDF.astype(dtype), group_sizes)
+    # Down projection straight to the body dtype: what travels back (half the bytes of float32 in
+    # bfloat16, and no [n*N, D] float32 slab); the k choices and tensor shards then add in float32.
+    o_MD = jax.lax.ragged_dot(nn.silu(g) * u, wo_LFD.astype(dtype), group_sizes, preferred_element_type=dtype)
+
+    # The way back: slice i*L + l (source i's rows of local expert l) returns to where it came from.
+    back_ND = exchange_fn(o_MD, N, mine(dst_off_nE), mine(count_nE), mine(src_off_nE), count_nE[me],
+                          axis_name, N)
+    inverse = jnp.zeros_like(order).at[order].set(jnp.arange(N, dtype=order.dtype))
+    return back_ND[inverse].astype(jnp.float32).reshape(S, K, -1).sum(1)
+
+
+def experts_expert_parallel(x_SD, idx_SK, gate_SK, wg_EDF, wu_EDF, wo_EFD, dtype, exchange_fn=exchange):
+    """Expert parallelism inside shard_map: tokens split over the batch axes (which include
+    `expert`), experts over `expert`, the expert hidden over `expert_mlp` (psum at the end).
+    Without a mesh, with an `expert` axis of 1, or with shapes the mesh does not divide, it is
+    `experts_sharded`."""
+    mesh = _context_mesh()
+    ep_axes = _mesh_axes("expert", mesh) if mesh is not None else ()
+    if not ep_axes:
+        return experts_sharded(x_SD, idx_SK, gate_SK, wg_EDF, wu_EDF, wo_EFD, dtype)
+    if len(ep_axes) != 1:
+        raise ValueError(f"expert parallelism needs the logical axis 'expert' on one mesh axis, got {ep_axes}")
+    (ep,) = ep_axes
+    batch_axes, tensor_axes = _mesh_axes("batch", mesh), _mesh_axes("expert_mlp", mesh)
+    n_batch = math.prod(mesh.shape[a] for a in batch_axes)
+    n_tensor = math.prod(mesh.shape[a] for a in tensor_axes)
+    if (ep not in batch_axes or x_SD.shape[0] % n_batch or wg_EDF.shape[0] % mesh.shape[ep]
+            or wg_EDF.shape[-1] % n_tensor):
+        return experts_sharded(x_SD, idx_SK, gate_SK, wg_EDF, wu_EDF, wo_EFD, dtype)
+    P = jax.sharding.PartitionSpec
+    tok, t = P(batch_axes, None), tensor_axes or None
+
+    def local(x, idx, gate, wg, wu, wo):
+        y = experts_expert_parallel_local(x, idx, gate, wg, wu, wo, dtype=dtype, axis_name=ep, exchange_fn=exchange_fn)
+        return jax.lax.psum(y, tensor_axes) if tensor_axes else y
+
+    return jax.shard_map(
+        local, mesh=mesh,
+        in_specs=(tok, tok, tok, P(ep, None, t), P(ep, None, t), P(ep, t, None)),
+        out_specs=tok,
+    )(x_SD, idx_SK, gate_SK, *(w.astype(dtype) for w in (wg_EDF, wu_EDF, wo_EFD)))  # gathered in the body dtype
 
 
 class MoeMlp(nn.Module):
@@ -180,16 +309,16 @@ class MoeMlp(nn.Module):
         router = self.param(
             "router", nn.with_logical_partitioning(nn.initializers.variance_scaling(1.0, "fan_in", "truncated_normal"),
                                                    ("embed", None)), (D, E), pdtype)
-        w_in = nn.with_logical_partitioning(_expert_init(), ("expert", "embed", "expert_mlp"))
+        w_in = nn.with_logical_partitioning(_expert_init(), ("expert", "expert_embed", "expert_mlp"))
         wg = self.param("wi_gate", w_in, (E, D, F), pdtype)
         wu = self.param("wi_up", w_in, (E, D, F), pdtype)
-        wo = self.param("wo", nn.with_logical_partitioning(_expert_init(), ("expert", "expert_mlp", "embed")),
+        wo = self.param("wo", nn.with_logical_partitioning(_expert_init(), ("expert", "expert_mlp", "expert_embed")),
                         (E, F, D), pdtype)
 
         B, T, _ = x_BTD.shape
         x_SD = x_BTD.reshape(B * T, D)
         logits_SE, idx_SK, gate_SK = route(x_SD, router, K)
-        impl = experts_dense if cfg.moe_impl == "dense" else experts_sharded
+        impl = {"ragged": experts_sharded, "expert_parallel": experts_expert_parallel, "dense": experts_dense}[cfg.moe_impl]
         y_SD = impl(x_SD, idx_SK, gate_SK, wg, wu, wo, dtype)
 
         # Switch-style load balancing (f_e * P_e) and the per-expert load.
