@@ -1,22 +1,24 @@
 """Orbax checkpoints of the train state plus a JSON sidecar (data iterator, counters,
-filter history), with auto-resume and a fall-back when the latest one is corrupt."""
+filter history), with auto-resume and a fall-back when the latest one is corrupt. Directories
+are local paths or gs:// URLs (rl_scaling/paths.py); on gs:// tensorstore writes the arrays."""
 
 from __future__ import annotations
 
 import logging
-import os
 
 import jax
 import orbax.checkpoint as ocp
+
+from rl_scaling import paths
 
 log = logging.getLogger(__name__)
 
 
 class Checkpoints:
     def __init__(self, directory: str, keep: int = 3):
-        self.directory = os.path.abspath(directory)
+        self.directory = paths.resolve(directory)
         self.manager = ocp.CheckpointManager(
-            self.directory,
+            paths.path(self.directory),
             options=ocp.CheckpointManagerOptions(max_to_keep=keep, create=True),
             item_names=("state", "meta"),
         )
@@ -44,7 +46,7 @@ class Checkpoints:
                     log.warning("resumed from step %d; newer checkpoints were unreadable: %s", step, "; ".join(errors))
                 return step, restored["state"], dict(restored["meta"])
             except Exception as e:  # noqa: BLE001 - any failure means this step is unusable
-                msg = f"{os.path.join(self.directory, str(step))}: {type(e).__name__}: {str(e)[:200]}"
+                msg = f"{paths.join(self.directory, str(step))}: {type(e).__name__}: {str(e)[:200]}"
                 log.warning("checkpoint unreadable, trying the previous one: %s", msg)
                 errors.append(msg)
         if errors:
@@ -65,11 +67,11 @@ def abstract_like(state, shardings):
 
 def save_params(path: str, params) -> None:
     ckptr = ocp.StandardCheckpointer()
-    ckptr.save(os.path.abspath(path), params, force=True)
+    ckptr.save(paths.path(path), params, force=True)
     ckptr.wait_until_finished()
 
 
 def load_params(path: str, abstract_params):
-    if not os.path.isdir(path):
+    if not paths.isdir(path):
         raise FileNotFoundError(f"params checkpoint {path!r} does not exist")
-    return ocp.StandardCheckpointer().restore(os.path.abspath(path), abstract_params)
+    return ocp.StandardCheckpointer().restore(paths.path(path), abstract_params)

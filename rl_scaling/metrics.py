@@ -1,32 +1,71 @@
-"""Metrics to TensorBoard (tensorboardX event files) and `metrics.jsonl`, from process 0."""
+"""Metrics to TensorBoard (tensorboardX event files) and `metrics.jsonl`, from process 0.
+
+The workdir is a local path or a gs:// URL (rl_scaling/paths.py). A GCS object cannot be
+appended to, so on gs:// metrics.jsonl is rewritten whole on every write: it always holds every
+line written so far, whatever kills the run."""
 
 from __future__ import annotations
 
 import json
 import math
-import os
 import sys
 import time
 
 import jax
-from tensorboardX import SummaryWriter
+from tensorboardX import SummaryWriter, record_writer
+
+from rl_scaling import paths
+
+
+class _GCSEventFile:
+    """A TensorBoard event file on gs:// through the path layer: the whole file is rewritten on
+    each flush (GCS objects cannot be appended to). tensorboardX's own gs:// writer re-uploads
+    again when garbage-collected, which stalls for minutes at exit once storage is gone."""
+
+    def __init__(self, path):
+        self.path, self.data, self.closed = path, bytearray(), False
+
+    def write(self, b):
+        self.data += b
+
+    def flush(self):
+        if not self.closed:
+            with paths.open_file(self.path, "wb") as f:
+                f.write(bytes(self.data))
+
+    def close(self):
+        self.flush()
+        self.closed = True
+
+
+class _GCSEventFiles:
+    def open(self, path):
+        return _GCSEventFile(path)
+
+    def directory_check(self, path):
+        pass  # GCS has no directories to create
+
+
+record_writer.register_writer_factory("gs", _GCSEventFiles())
 
 
 class MetricsWriter:
     def __init__(self, workdir: str, resume_step: int | None = None):
         self.active = jax.process_index() == 0
-        self.path = os.path.join(workdir, "metrics.jsonl")
+        self.path = paths.join(workdir, "metrics.jsonl")
+        self.remote = paths.is_gcs(self.path)
+        self.lines = []  # on gs:// every line, rewritten whole on each write
         if not self.active:
             return
-        if resume_step is not None and os.path.exists(self.path):
+        if resume_step is not None and paths.exists(self.path):
             # Drop lines written after the checkpoint we resume from: they will be redone.
-            with open(self.path) as f:
-                kept = [line for line in f if line.strip() and json.loads(line)["step"] <= resume_step]
-            with open(self.path, "w") as f:
-                f.writelines(kept)
-        elif resume_step is None and os.path.exists(self.path):
-            os.remove(self.path)
-        self.tb = SummaryWriter(os.path.join(workdir, "tb"))
+            kept = [line + "\n" for line in paths.read_text(self.path).splitlines()
+                    if line.strip() and json.loads(line)["step"] <= resume_step]
+            paths.write_text(self.path, "".join(kept))
+            self.lines = kept
+        elif resume_step is None and paths.exists(self.path):
+            paths.remove(self.path)
+        self.tb = SummaryWriter(paths.join(workdir, "tb"))
 
     def write(self, step: int, metrics: dict) -> None:
         if not self.active:
@@ -38,8 +77,13 @@ class MetricsWriter:
                                          f"untouched: lower config.optim.lr or check the rewards, then re-run to resume")
             if not isinstance(v, str):
                 self.tb.add_scalar(k, v, step)
-        with open(self.path, "a") as f:
-            f.write(json.dumps({"step": step, **clean}) + "\n")
+        line = json.dumps({"step": step, **clean}) + "\n"
+        if self.remote:
+            self.lines.append(line)
+            paths.write_text(self.path, "".join(self.lines))
+        else:
+            with open(self.path, "a") as f:
+                f.write(line)
 
     def flush(self):
         if self.active:

@@ -11,14 +11,13 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from rl_scaling import checkpoint, compute, config as config_lib, data, distributed, evaluate, metrics as metrics_lib, sharding, tasks
+from rl_scaling import checkpoint, compute, config as config_lib, data, distributed, evaluate, metrics as metrics_lib, paths, sharding, tasks
 from rl_scaling.policy import hf_io
 from rl_scaling.rl import filters, train_step as ts
 from rl_scaling.rollout import collect, length_control, pipeline
@@ -27,15 +26,15 @@ log = logging.getLogger(__name__)
 
 
 def prepare_workdir(workdir: str) -> str:
-    workdir = os.path.abspath(workdir)
+    """The resolved workdir (absolute, or a gs:// URL), checked writable with one probe file."""
+    workdir = paths.resolve(workdir)  # an unsupported URL scheme is an error here, not a local folder
     try:
-        os.makedirs(workdir, exist_ok=True)
-        probe = os.path.join(workdir, ".write_test")
-        with open(probe, "w") as f:
-            f.write("ok")
-        os.remove(probe)
-    except OSError as e:
-        raise ValueError(f"--workdir={workdir} is not writable: {e}") from e
+        paths.makedirs(workdir)
+        probe = paths.join(workdir, ".write_test")
+        paths.write_text(probe, "ok")
+        paths.remove(probe)
+    except Exception as e:  # noqa: BLE001 - OSError locally; client/network errors on gs://
+        raise ValueError(f"--workdir={workdir} is not writable: {type(e).__name__}: {e}") from e
     return workdir
 
 
@@ -44,8 +43,7 @@ def train(config, workdir: str) -> dict:
     pipeline.check_config(config)
     workdir = prepare_workdir(workdir)
     if jax.process_index() == 0:
-        with open(os.path.join(workdir, "config.json"), "w") as f:
-            json.dump(config.to_dict(), f, indent=1)
+        paths.write_text(paths.join(workdir, "config.json"), json.dumps(config.to_dict(), indent=1))
     mesh = sharding.make_mesh(dict(config.mesh), pipeline.trainer_devices(config))  # all but an embedded engine's own
     task = tasks.make_task(config.task, config.seed)
     train_cfg = config_lib.model_config(config, config.rl.fp32_lm_head)
@@ -56,7 +54,7 @@ def train(config, workdir: str) -> dict:
     eval_problems = task.eval_problems(config.eval.num_prompts)
     optimizer = ts.make_optimizer(config.optim)
     state_sh = ts.state_shardings(train_cfg, optimizer, mesh)
-    ckpts = checkpoint.Checkpoints(os.path.join(workdir, "checkpoints"), keep=config.keep_checkpoints)
+    ckpts = checkpoint.Checkpoints(paths.join(workdir, "checkpoints"), keep=config.keep_checkpoints)
     base_rng = jax.random.key(config.seed)
     P, G = config.rollout.prompts_per_step, config.rollout.samples_per_prompt
     gen_kw = dict(max_prompt_len=config.task.max_prompt_len, max_new_tokens=config.rollout.max_new_tokens,
@@ -183,8 +181,8 @@ def initial_params(config, task, train_cfg, gen_cfg, mesh, workdir, abstract, ge
     Face safetensors directory), a saved warm start, or a new one."""
     if config.init_checkpoint:
         return load_start_params(config.init_checkpoint, train_cfg, mesh, abstract)
-    path = os.path.join(workdir, "warmstart", "params")
-    if os.path.isdir(path):
+    path = paths.join(workdir, "warmstart", "params")
+    if paths.isdir(path):
         log.info("reusing the warm start in %s", path)
         return checkpoint.load_params(path, abstract)
     params = warm_start(config, task, train_cfg, gen_cfg, mesh, gen_kw)
@@ -195,7 +193,7 @@ def initial_params(config, task, train_cfg, gen_cfg, mesh, workdir, abstract, ge
 def load_start_params(path, model_cfg, mesh, abstract):
     """An Orbax params checkpoint, or a Hugging Face safetensors directory whose config.json
     must match `model_cfg`, loaded straight into the shardings of `abstract`."""
-    if os.path.isdir(path) and hf_io.is_hf_checkpoint(path):
+    if paths.isdir(path) and hf_io.is_hf_checkpoint(path):
         hf_io.check_architecture(path, model_cfg)
         log.info("loading Hugging Face weights from %s", path)
         return hf_io.load_hf_checkpoint(path, model_cfg, mesh)

@@ -30,7 +30,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-import os
 import struct
 from typing import Callable
 
@@ -40,7 +39,7 @@ import numpy as np
 from flax import linen as nn
 from flax.core import FrozenDict
 
-from rl_scaling import sharding
+from rl_scaling import paths, sharding
 from rl_scaling.policy import model as M
 
 _ST_DTYPES = {
@@ -53,8 +52,7 @@ _NP_TO_ST = {np.dtype(v): k for k, v in _ST_DTYPES.items()}
 # ----------------------------------------------------------------------------- config
 
 def _read_config(path):
-    with open(os.path.join(path, "config.json")) as f:
-        raw = json.load(f)
+    raw = json.loads(paths.read_text(paths.join(path, "config.json")))
     if raw.get("model_type") == "llama4" or "text_config" in raw:
         raw = dict(raw["text_config"], model_type="llama4_text")
     return raw
@@ -124,9 +122,9 @@ _RUN_FIELDS = ("dtype", "param_dtype", "fp32_lm_head", "remat", "scan_layers", "
 
 
 def is_hf_checkpoint(path: str) -> bool:
-    """A local directory with a config.json and safetensors weights."""
-    return (os.path.isfile(os.path.join(path, "config.json"))
-            and any(f.endswith(".safetensors") for f in os.listdir(path)))
+    """A directory (local or gs://) with a config.json and safetensors weights."""
+    return (paths.isfile(paths.join(path, "config.json"))
+            and any(f.endswith(".safetensors") for f in paths.listdir(path)))
 
 
 def check_architecture(path: str, cfg: M.ModelConfig) -> None:
@@ -184,21 +182,21 @@ def hf_config_dict(cfg: M.ModelConfig) -> dict:
 # ----------------------------------------------------------------------------- safetensors
 
 class _SafetensorsDir:
-    """Memory-mapped tensors of a checkpoint directory (single file or sharded index)."""
+    """Tensors of a checkpoint directory (single file or sharded index): memory-mapped when
+    local, read by byte ranges when on gs://."""
 
     def __init__(self, path):
-        index = os.path.join(path, "model.safetensors.index.json")
-        if os.path.exists(index):
-            with open(index) as f:
-                files = sorted(set(json.load(f)["weight_map"].values()))
+        index = paths.join(path, "model.safetensors.index.json")
+        if paths.exists(index):
+            files = sorted(set(json.loads(paths.read_text(index))["weight_map"].values()))
         else:
-            files = sorted(n for n in os.listdir(path) if n.endswith(".safetensors"))
+            files = sorted(n for n in paths.listdir(path) if n.endswith(".safetensors"))
         if not files:
             raise FileNotFoundError(f"no .safetensors files in {path}")
         self.entries = {}
         for name in files:
-            fname = os.path.join(path, name)
-            with open(fname, "rb") as f:
+            fname = paths.join(path, name)
+            with paths.open_file(fname, "rb") as f:
                 (n,) = struct.unpack("<Q", f.read(8))
                 header = json.loads(f.read(n))
             header.pop("__metadata__", None)
@@ -217,9 +215,33 @@ class _SafetensorsDir:
             fname, offset, dt, shape = self.entries[key]
             if math.prod(shape) == 0:
                 self._maps[key] = np.zeros(shape, _ST_DTYPES[dt])
+            elif paths.is_gcs(fname):
+                self._maps[key] = _RangeTensor(fname, offset, np.dtype(_ST_DTYPES[dt]), shape)
             else:
                 self._maps[key] = np.memmap(fname, dtype=_ST_DTYPES[dt], mode="r", offset=offset, shape=shape)
         return self._maps[key]
+
+
+class _RangeTensor:
+    """A tensor in a remote safetensors file: indexing with slices reads only the rows (range of
+    the first axis) it touches, one byte-range read per call."""
+
+    def __init__(self, fname, offset, dtype, shape):
+        self.fname, self.offset, self.dtype, self.shape = fname, offset, dtype, shape
+
+    def __getitem__(self, idx):
+        idx = idx if isinstance(idx, tuple) else (idx,)
+        if not self.shape:
+            return self._read(0, 1).reshape(())[idx]
+        start, stop, step = (idx[0] if idx else slice(None)).indices(self.shape[0])
+        rows = self._read(start, max(stop - start, 0)).reshape((max(stop - start, 0),) + self.shape[1:])
+        return rows[(slice(None, None, step),) + idx[1:]]
+
+    def _read(self, row, n_rows):
+        row_bytes = math.prod(self.shape[1:]) * self.dtype.itemsize
+        with paths.open_file(self.fname, "rb") as f:
+            f.seek(self.offset + row * row_bytes)
+            return np.frombuffer(f.read(n_rows * row_bytes), self.dtype)
 
 
 def _write_safetensors(fname, tensors: dict[str, Callable[[], np.ndarray]], specs: dict[str, tuple]):
@@ -233,7 +255,7 @@ def _write_safetensors(fname, tensors: dict[str, Callable[[], np.ndarray]], spec
     header["__metadata__"] = {"format": "pt"}
     blob = json.dumps(header, separators=(",", ":")).encode()
     blob += b" " * (-len(blob) % 8)
-    with open(fname, "wb") as f:
+    with paths.open_file(fname, "wb") as f:
         f.write(struct.pack("<Q", len(blob)))
         f.write(blob)
         for name, (dt, shape) in specs.items():
@@ -407,7 +429,7 @@ def save_hf_checkpoint(params, cfg: M.ModelConfig, path: str, dtype: str | None 
 
     Tensors are fetched to the host one (layer, weight) at a time. Single-process only: on a
     multi-host mesh gather with process_allgather first."""
-    os.makedirs(path, exist_ok=True)
+    paths.makedirs(path)
     np_dtype = np.dtype(ml_dtypes.bfloat16) if (dtype or cfg.param_dtype) == "bfloat16" else np.dtype(np.float32)
     specs = _param_specs(cfg)
     flat = dict(_flat(params))
@@ -446,12 +468,11 @@ def save_hf_checkpoint(params, cfg: M.ModelConfig, path: str, dtype: str | None 
     weight_map = {}
     for g, names in enumerate(groups):
         fname = "model.safetensors" if len(groups) == 1 else f"model-{g + 1:05d}-of-{len(groups):05d}.safetensors"
-        _write_safetensors(os.path.join(path, fname), {n: jobs[n][2] for n in names},
+        _write_safetensors(paths.join(path, fname), {n: jobs[n][2] for n in names},
                            {n: jobs[n][:2] for n in names})
         weight_map.update({n: fname for n in names})
     if len(groups) > 1:
         total = sum(math.prod(s) * d.itemsize for d, s, _ in jobs.values())
-        with open(os.path.join(path, "model.safetensors.index.json"), "w") as f:
-            json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
-    with open(os.path.join(path, "config.json"), "w") as f:
-        json.dump(hf_config_dict(cfg), f, indent=2)
+        paths.write_text(paths.join(path, "model.safetensors.index.json"),
+                         json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
+    paths.write_text(paths.join(path, "config.json"), json.dumps(hf_config_dict(cfg), indent=2))

@@ -16,9 +16,10 @@ masked everywhere they matter.
 from __future__ import annotations
 
 import json
-import os
 
 from tokenizers import Tokenizer
+
+from rl_scaling import paths
 
 _BOS = ("<|begin_of_text|>", "<bos>", "<s>", "<|startoftext|>", "[BOS]")
 _EOS = ("<|eot_id|>", "<|end_of_text|>", "<|eot|>", "<eos>", "</s>", "<|endoftext|>", "[EOS]")
@@ -34,14 +35,14 @@ def _token_name(value):
 class HFTokenizer:
     def __init__(self, path: str, *, bos: str | None = None, eos: str | None = None, pad: str | None = None,
                  think: str = "<think>", think_end: str = "</think>"):
-        """`path` is a tokenizer.json or a directory holding one."""
-        file = os.path.join(path, "tokenizer.json") if os.path.isdir(path) else path
-        if not os.path.exists(file):
+        """`path` is a tokenizer.json or a directory holding one, local or gs://."""
+        file = paths.join(path, "tokenizer.json") if paths.isdir(path) else paths.resolve(path)
+        if not paths.isfile(file):
             raise FileNotFoundError(f"tokenizer: no tokenizer.json at {path}")
         self.path = file
-        self.tok = Tokenizer.from_file(file)
+        self.tok = Tokenizer.from_str(paths.read_text(file))
         self.vocab_size = self.tok.get_vocab_size(with_added_tokens=True)
-        named = self._named_specials(os.path.dirname(file))
+        named = self._named_specials(paths.dirname(file))
         self.bos_id = self._find("bos", bos or named.get("bos_token"), _BOS)
         self.eos_id = self._find("eos", eos or named.get("eos_token"), _EOS)
         pad_id = self._find("pad", pad or named.get("pad_token"), _PAD, required=False)
@@ -53,10 +54,9 @@ class HFTokenizer:
     def _named_specials(folder):
         named = {}
         for name in ("special_tokens_map.json", "tokenizer_config.json"):
-            f = os.path.join(folder, name)
-            if os.path.exists(f):
-                with open(f) as fh:
-                    data = json.load(fh)
+            f = paths.join(folder, name)
+            if paths.exists(f):
+                data = json.loads(paths.read_text(f))
                 for key in ("bos_token", "eos_token", "pad_token"):
                     if data.get(key) and key not in named:
                         named[key] = _token_name(data[key])

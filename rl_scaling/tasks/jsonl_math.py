@@ -19,6 +19,7 @@ import json
 
 import numpy as np
 
+from rl_scaling import paths
 from rl_scaling.tasks import math_verify
 
 DEFAULT_TEMPLATE = (
@@ -46,7 +47,7 @@ def is_heldout(problem: str, heldout_fraction: float) -> bool:
 def load_jsonl(path: str, problem_field: str = "problem", answer_field: str = "answer") -> list[tuple[str, str]]:
     """(problem, answer) pairs, in file order, first occurrence of each problem."""
     rows, seen = [], set()
-    with open(path, encoding="utf-8") as f:
+    with paths.open_file(path, "r", encoding="utf-8") as f:
         for lineno, line in enumerate(f, 1):
             if not line.strip():
                 continue

@@ -1,0 +1,157 @@
+"""gs:// storage through rl_scaling/paths.py, against a real GCS emulator on loopback
+(tests/gcs_emulator.py): scheme errors, local behaviour, gcsfs and tensorstore (Orbax) writes
+read back, TensorBoard events, a whole run killed and resumed from a bucket, and an endpoint
+that does not answer."""
+
+import glob
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "tests"))
+
+import gcs_emulator  # noqa: E402
+from rl_scaling import paths  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def gcs():
+    """A running emulator with bucket `bucket`, STORAGE_EMULATOR_HOST set for this process."""
+    emu = gcs_emulator.Emulator("bucket").start()
+    old = os.environ.get("STORAGE_EMULATOR_HOST")
+    os.environ["STORAGE_EMULATOR_HOST"] = emu.url
+    paths._configured = False  # map the variable for this emulator (a fresh process does it once)
+    paths.configure_gcs()
+    yield emu
+    emu.stop()
+    if old is None:
+        os.environ.pop("STORAGE_EMULATOR_HOST", None)
+    else:
+        os.environ["STORAGE_EMULATOR_HOST"] = old
+
+
+# ----------------------------------------------------------------------------- no emulator needed
+
+@pytest.mark.parametrize("url, scheme", [("s3://b/run", "s3"), ("hdfs://nn/run", "hdfs"), ("http://h/x", "http"),
+                                         ("file:///tmp/x", "file"), ("az://c/x", "az")])
+def test_unsupported_scheme_is_a_named_error(url, scheme):
+    with pytest.raises(paths.PathError, match=f"{scheme}:// is not supported"):
+        paths.resolve(url)
+
+
+@pytest.mark.parametrize("bad", ["gs:/bucket/run", "gs:bucket", "gs://", "gs:///run"])
+def test_malformed_gs_url_is_an_error_not_a_local_folder(bad):
+    with pytest.raises(paths.PathError, match="not a gs:// URL"):
+        paths.resolve(bad)
+
+
+def test_local_paths_resolve_to_absolute_and_work(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    assert paths.resolve("runs/a") == os.path.join(str(tmp_path), "runs", "a")
+    assert paths.resolve("recipe:dapo") == os.path.join(str(tmp_path), "recipe:dapo")  # not a URL scheme
+    target = paths.join("runs", "a", "x.json")
+    paths.write_text(target, "{}")  # parent folders are created as open(..., "w") after makedirs
+    assert open(tmp_path / "runs" / "a" / "x.json").read() == "{}"
+    assert paths.isdir("runs/a") and paths.isfile(target) and paths.exists(target)
+    assert paths.listdir("runs/a") == ["x.json"]
+    assert paths.glob(str(tmp_path / "runs" / "*" / "*.json")) == [str(tmp_path / "runs" / "a" / "x.json")]
+    assert paths.dirname(target) == str(tmp_path / "runs" / "a") and paths.basename(target) == "x.json"
+    with paths.open_file(target, "a") as f:  # local files still append
+        f.write("\n")
+    assert paths.read_text(target) == "{}\n"
+    paths.remove(target)
+    assert not paths.exists(target)
+
+
+def test_gs_string_helpers():
+    assert paths.join("gs://b/run/", "tb", "x") == "gs://b/run/tb/x"
+    assert paths.resolve("gs://b/run/") == "gs://b/run"
+    assert paths.dirname("gs://b/run/metrics.jsonl") == "gs://b/run"
+    assert paths.dirname("gs://b/run") == "gs://b"
+    assert paths.dirname("gs://b") == "gs://b"
+    assert paths.basename("gs://b/run/seed1") == "seed1"
+
+
+# ----------------------------------------------------------------------------- through the emulator
+
+def test_gcs_files_write_read_list_glob(gcs):
+    base = "gs://bucket/unit/files"
+    paths.write_text(paths.join(base, "a", "m.jsonl"), '{"step": 1}\n')
+    paths.write_text(paths.join(base, "b", "m.jsonl"), '{"step": 2}\n')
+    with paths.open_file(paths.join(base, "blob.bin"), "wb") as f:
+        f.write(bytes(range(256)))
+    assert paths.read_text(paths.join(base, "a", "m.jsonl")) == '{"step": 1}\n'
+    assert paths.read_bytes(paths.join(base, "blob.bin"))[250:] == bytes(range(250, 256))
+    assert paths.isdir(paths.join(base, "a")) and paths.isfile(paths.join(base, "a", "m.jsonl"))
+    assert not paths.exists(paths.join(base, "c"))
+    assert paths.listdir(base) == ["a", "b", "blob.bin"]
+    assert paths.glob(base + "/*/m.jsonl") == [f"{base}/a/m.jsonl", f"{base}/b/m.jsonl"]
+    with pytest.raises(paths.PathError, match="cannot be appended"):
+        paths.open_file(paths.join(base, "a", "m.jsonl"), "a")
+    # The object is really in the emulator: read it back with google-cloud-storage, another client.
+    from google.cloud import storage
+
+    blob = storage.Client().bucket("bucket").blob("unit/files/b/m.jsonl")
+    assert blob.download_as_bytes() == b'{"step": 2}\n'
+    paths.remove(paths.join(base, "blob.bin"))
+    assert not paths.exists(paths.join(base, "blob.bin"))
+    assert not glob.glob(os.path.join(os.getcwd(), "gs:*"))
+
+
+def test_orbax_params_and_manager_on_gcs(gcs):
+    import jax
+    import jax.numpy as jnp
+
+    from rl_scaling import checkpoint
+
+    params = {"w": jnp.arange(6.0).reshape(2, 3), "b": jnp.full((3,), 0.5, jnp.bfloat16)}
+    abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params)
+    checkpoint.save_params("gs://bucket/unit/params", params)
+    back = checkpoint.load_params("gs://bucket/unit/params", abstract)
+    np.testing.assert_array_equal(np.asarray(back["w"]), np.arange(6.0).reshape(2, 3))
+    assert back["b"].dtype == jnp.bfloat16
+    with pytest.raises(FileNotFoundError, match="gs://bucket/unit/nothing"):
+        checkpoint.load_params("gs://bucket/unit/nothing", abstract)
+
+    ckpts = checkpoint.Checkpoints("gs://bucket/unit/ckpts", keep=2)
+    for step in (1, 2, 3):
+        ckpts.save(step, jax.tree.map(lambda x: x * step, params), {"step": step})
+    ckpts.close()
+    assert paths.listdir("gs://bucket/unit/ckpts")[:2] == ["2", "3"]  # keep=2 deleted step 1
+    step, state, meta = checkpoint.Checkpoints("gs://bucket/unit/ckpts").restore_latest(abstract)
+    assert (step, meta) == (3, {"step": 3})
+    np.testing.assert_array_equal(np.asarray(state["w"]), 3 * np.arange(6.0).reshape(2, 3))
+
+
+def test_metrics_and_tensorboard_on_gcs(gcs, tmp_path):
+    from tensorboard.backend.event_processing import event_accumulator
+
+    from rl_scaling import metrics
+
+    run = "gs://bucket/unit/metrics_run"
+    w = metrics.MetricsWriter(run)
+    for s in (1, 2, 3):
+        w.write(s, {"loss": s / 4})
+    assert [json.loads(x)["step"] for x in paths.read_text(run + "/metrics.jsonl").splitlines()] == [1, 2, 3]
+    w.close()
+    time.sleep(1.1)  # event files are named by the second they were opened in
+    w = metrics.MetricsWriter(run, resume_step=2)  # a resume drops the lines after its checkpoint
+    w.write(3, {"loss": 0.0})
+    w.close()
+    rows = [json.loads(x) for x in paths.read_text(run + "/metrics.jsonl").splitlines()]
+    assert [(r["step"], r["loss"]) for r in rows] == [(1, 0.25), (2, 0.5), (3, 0.0)]
+    # TensorBoard events were written to the bucket: copy them out and read them back.
+    events = paths.glob(run + "/tb/events.out.tfevents.*")
+    assert len(events) == 2
+    for e in events:
+        (tmp_path / paths.basename(e)).write_bytes(paths.read_bytes(e))
+    acc = event_accumulator.EventAccumulator(str(tmp_path))
+    acc.Reload()
+    assert sorted((e.step, e.value) for e in acc.Scalars("loss")) == [(1, 0.25), (2, 0.5), (3, 0.0), (3, 0.75)]
