@@ -8,8 +8,11 @@ Command:   python launch/run.py --config=configs/scout_moe.py --workdir=gs://BUC
            joins them with jax.distributed and each host feeds its share of the batch.
 Dry run:   python launch/run.py --config=configs/scout_moe.py --dry_run
 Variants:  --config=configs/scout_moe.py:recipe=grpo (any name in configs/common.py RECIPES)
-Hardware:  trainer  TPU v5p-128 (64 chips, v5p:4x4x4), FSDP over all 64 chips (the experts are
-           gathered per layer inside the MoE shard_map, like every FSDP weight);
+Hardware:  trainer  TPU v5p-128 (64 chips, v5p:4x4x4), mesh expert=16 x fsdp=4: expert parallelism
+           (one routed expert per chip of each 16-chip group, gathered over fsdp=4 only; tokens
+           travel to their expert by ragged all-to-all, policy/moe.py), dense weights FSDP over
+           all 64 chips. The dry run prints its traffic next to the weight-gather variant's
+           (--config.model.moe_impl=ragged, which all-gathers every expert per layer);
            generators TPU v5p-128 (64 chips, v5p:4x4x4): 8 engine replicas of 8 chips, tensor
            parallel (heads, MLP and expert hidden over 8 chips, so no weight moves while decoding),
            128 concurrent sequences each (decoding is memory-bound: more slots amortise the

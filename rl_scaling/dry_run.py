@@ -33,6 +33,12 @@ Estimates (stated assumptions, not measurements):
                  MFU = model FLOPs / (chips x peak x time). Decoding is memory-bound: a step
                  reads every parameter and the whole KV cache once per chip, so its time is
                  max(FLOPs / peak, bytes / HBM bandwidth) per chip.
+  MoE traffic    `moe_traffic`: bytes per chip per train step that the routed experts move, for
+                 expert parallelism and for the weight-gather variant on the same mesh (analytic:
+                 the collectives sit in loops whose trip counts the compiled program's analyses do
+                 not multiply in), and their time at the chip's full ICI bandwidth (a lower bound),
+                 added to the step time as if nothing overlapped (an upper bound). The report also
+                 counts the collective instructions the compiler was given.
   XLA cost       `compiled.cost_analysis()["flops"]` counts the body of a loop once (the layer scan,
                  the microbatch scan, the attention/log-prob chunk maps), so it is far below the
                  real count; it is printed as a cross-check of the per-iteration work only.
@@ -65,15 +71,16 @@ class Chip:
     hbm_gib: float  # HBM per chip
     peak_tflops: float  # dense bf16 peak per chip
     hbm_gbps: float  # HBM bandwidth per chip, GB/s
+    ici_gbps: float  # inter-chip interconnect bandwidth per chip, Gbit/s (all links together)
 
 
 # Public per-chip specs (cloud.google.com/tpu/docs/system-architecture-tpu-vm and the v4/v5e/v5p/v6e
 # pages); a v4/v5p chip is one JAX device (megacore).
 CHIPS = {
-    "v4": Chip("TPU v4", 32, 275, 1228),
-    "v5e": Chip("TPU v5e", 16, 197, 819),
-    "v5p": Chip("TPU v5p", 95, 459, 2765),
-    "v6e": Chip("TPU v6e", 32, 918, 1640),
+    "v4": Chip("TPU v4", 32, 275, 1228, 2400),
+    "v5e": Chip("TPU v5e", 16, 197, 819, 1600),
+    "v5p": Chip("TPU v5p", 95, 459, 2765, 4800),
+    "v6e": Chip("TPU v6e", 32, 918, 1640, 3584),
 }
 
 
@@ -149,6 +156,42 @@ def decode_flops(cfg: model_lib.ModelConfig, rows: int, cache_len: int, mean_ctx
     model = model_f["body"] + model_f["head"] + model_f["attn"]
     hw = hw_f["body"] + hw_f["head"] + hw_f["attn"]
     return model, hw
+
+
+# ---- MoE traffic --------------------------------------------------------------------------------
+
+
+def moe_traffic(cfg: model_lib.ModelConfig, mesh_shape: dict, n_seq: int, seq_len: int, microbatches: int) -> dict:
+    """Bytes per chip that the routed experts move in one train step, for the two MoE variants
+    on the same mesh (analytic; policy/moe.py's docstring derives it):
+
+      expert_parallel  tokens: 2 exchanges (out and back) of T*k rows of D values per layer and
+                       pass, the (n - 1) / n share of them that leaves the chip under balanced
+                       routing (n = mesh expert); weights: each chip's E/n experts gathered over
+                       fsdp, once per layer, pass and microbatch.
+      gather           weights only: all E experts gathered over fsdp x expert, once per layer,
+                       pass and microbatch.
+
+    T: a chip's tokens per step (the batch split over data x fsdp x expert). Passes: forward,
+    backward and, with model.remat, the recomputed forward (the backward pass's collectives are
+    the transposes of the forward's: same bytes). Values travel in the body dtype (moe.py casts
+    the weights before the shard_map)."""
+    if not cfg.num_experts:
+        return {}
+    size = model_lib.DTYPES[cfg.dtype](0).dtype.itemsize
+    n_ep, fsdp = mesh_shape.get("expert", 1), mesh_shape.get("fsdp", 1)
+    tensor = mesh_shape.get("tensor", 1)
+    batch_shards = mesh_shape.get("data", 1) * fsdp * n_ep
+    passes = 3 if cfg.remat else 2
+    tokens = n_seq * seq_len / batch_shards
+    expert_bytes = 3 * cfg.d_model * cfg.moe_mlp_dim * size / tensor  # one expert's weights on a chip
+    per_layer = passes * cfg.n_layers
+    tokens_ep = 2 * tokens * cfg.num_experts_per_tok * cfg.d_model * size * (n_ep - 1) / n_ep * per_layer
+    weights_ep = expert_bytes * cfg.num_experts / n_ep * (fsdp - 1) / fsdp * per_layer * microbatches
+    shards = fsdp * n_ep
+    weights_gather = expert_bytes * cfg.num_experts * (shards - 1) / shards * per_layer * microbatches
+    return {"expert_parallel": {"tokens": tokens_ep, "weights": weights_ep, "total": tokens_ep + weights_ep},
+            "gather": {"tokens": 0.0, "weights": weights_gather, "total": weights_gather}}
 
 
 # ---- the steps ---------------------------------------------------------------------------------
@@ -233,7 +276,19 @@ def compile_train(config) -> dict:
     result["time_est_s"] = hw / (peak * UTILISATION)
     result["mfu_roofline"] = model / (peak * result["time_roofline_s"])
     result["mfu_est"] = model / (peak * result["time_est_s"])
+    traffic = moe_traffic(cfg, dict(mesh.shape), N, L, config.rl.num_minibatches * config.rl.grad_accum)
+    if traffic:
+        result["moe_impl"] = cfg.moe_impl
+        result["moe_traffic"] = {k: dict(v, time_s=v["total"] / (chip.ici_gbps / 8 * 1e9)) for k, v in traffic.items()}
+        result["collectives"] = _collective_ops(compiled)
     return result
+
+
+def _collective_ops(compiled) -> dict:
+    """How many all-to-all, ragged-all-to-all and all-gather instructions the compiled program
+    has (loop bodies once): shows which exchange the TPU compiler was given."""
+    text = compiled.as_text()
+    return {op: text.count(f" {op}(") for op in ("ragged-all-to-all", "all-to-all", "all-gather")}
 
 
 def gen_params_abstract(cfg: model_lib.ModelConfig, mesh):
@@ -354,6 +409,12 @@ def format_result(r: dict) -> str:
     if r["step"] == "train":
         lines.append(f"  est. step time: {r['time_roofline_s']:.1f} s at 100% of bf16 peak (MFU {100 * r['mfu_roofline']:.0f}%),"
                      f" {r['time_est_s']:.1f} s at {100 * UTILISATION:.0f}% (MFU {100 * r['mfu_est']:.0f}%)")
+        if "moe_traffic" in r:
+            lines.append(f"  routed experts (model.moe_impl={r['moe_impl']!r}; compiled: {r['collectives']}):")
+            for name, t in r["moe_traffic"].items():
+                lines.append(f"    {name:15s} {t['total'] / 1e9:7.0f} GB per chip per step (tokens {t['tokens'] / 1e9:.0f}"
+                             f" + weights {t['weights'] / 1e9:.0f}), {t['time_s']:.1f} s at full ICI bandwidth;"
+                             f" est. step {r['time_est_s'] + t['time_s']:.1f} s without overlap")
     elif r["step"] == "decode":
         lines.append(f"  est. decode step: {1e3 * r['time_roofline_s']:.1f} ms ({r['bound']}-bound roofline), "
                      f"{r['tokens_per_s']:.0f} tokens/s over the slice, MFU {100 * r['mfu_roofline']:.1f}%;"

@@ -5,6 +5,7 @@ compiler on two cores) and on a deliberately oversized one; the fast ones exerci
 machinery on the tiny model and a 4-chip v5e slice."""
 
 import os
+import re
 import subprocess
 import sys
 
@@ -100,6 +101,33 @@ def test_full_size_dry_run_fits(name):
     proc = _dry_run(os.path.join("configs", f"{name}.py"))
     print(proc.stdout)
     _check_report(proc)
+    if name == "scout_moe":  # experts sharded: tokens travel by ragged all-to-all, traffic reported
+        assert "'expert': 16}" in proc.stdout.split("[train]")[1].splitlines()[0]
+        assert "model.moe_impl='expert_parallel'" in proc.stdout
+        n_ragged = int(re.search(r"'ragged-all-to-all': (\d+)", proc.stdout).group(1))
+        assert n_ragged >= 2
+        ep, gather = (float(re.search(rf"{v} +(\d+) GB per chip", proc.stdout).group(1)) for v in ("expert_parallel", "gather"))
+        assert 0 < ep < gather
+
+
+def test_moe_traffic_matches_hand_count():
+    from rl_scaling.policy import presets
+
+    cfg = presets.tiny_moe(d_model=8, moe_mlp_dim=4, n_layers=2, num_experts=4, dtype="bfloat16", remat=True)
+    t = dry_run.moe_traffic(cfg, {"fsdp": 2, "expert": 4}, n_seq=16, seq_len=5, microbatches=2)
+    # 10 tokens a chip; 3 passes x 2 layers x 2 directions x 10 x k=1 x 8 values x 2 bytes x 3/4 off-chip
+    assert t["expert_parallel"]["tokens"] == pytest.approx(3 * 2 * 2 * 10 * 8 * 2 * 0.75)
+    # one local expert (3*8*4 values, 2 bytes) gathered over fsdp 2: half of it arrives; 3 x 2 layers x 2 mb
+    assert t["expert_parallel"]["weights"] == pytest.approx(3 * 8 * 4 * 2 * 0.5 * 3 * 2 * 2)
+    # all 4 experts over 8 shards: 7/8 of them arrive
+    assert t["gather"]["weights"] == pytest.approx(4 * 3 * 8 * 4 * 2 * 7 / 8 * 3 * 2 * 2)
+    assert dry_run.moe_traffic(dense_8b_cfg(), {"fsdp": 4}, 1, 1, 1) == {}
+
+
+def dense_8b_cfg():
+    from rl_scaling import config as config_lib
+
+    return config_lib.model_config(dense_8b.get_config())
 
 
 @pytest.mark.slow

@@ -60,7 +60,7 @@ class ModelConfig:
     moe_mlp_dim: int = 0
     shared_expert: bool = True
     router_aux_loss_coef: float = 0.0
-    moe_impl: str = "ragged"  # "ragged": dropless grouped matmul; "dense": every expert on every token (test oracle)
+    moe_impl: str = "ragged"  # "ragged" / "expert_parallel": dropless grouped matmul (moe.py); "dense": test oracle
     # Llama-4 attention details (off for Llama-3 shapes).
     nope_layer_interval: int = 0  # every n-th layer uses no RoPE (Llama 4: 4)
     attention_chunk_size: int = 0  # RoPE layers attend within chunks (Llama 4: 8192)

@@ -8,8 +8,8 @@ Routing (transformers `Llama4TextMoe` / `Llama4Router`):
 
 Parameters (per layer; `Block` is scanned, so each gets a leading [L] axis):
   router [D, E]                       logical ("embed", None)
-  wi_gate, wi_up [E, D, F]            logical ("expert", "embed", "expert_mlp")
-  wo [E, F, D]                        logical ("expert", "expert_mlp", "embed")
+  wi_gate, wi_up [E, D, F]            logical ("expert", "expert_embed", "expert_mlp")
+  wo [E, F, D]                        logical ("expert", "expert_mlp", "expert_embed")
   shared/{gate,up,down}               the dense `SwiGLU` of model.py with hidden cfg.mlp_dim
 
 Dispatch: `cfg.moe_impl`
@@ -20,6 +20,9 @@ Dispatch: `cfg.moe_impl`
       ragged_dot natively on TPU and GPU (chlo.ragged_dot); the Pallas megablox `gmm` kernel is
       a drop-in alternative on TPU. On CPU jax expands it into a masked dense dot, E times the
       FLOPs: fine for tests, which is all CPU runs are for.)
+  "expert_parallel" the same dropless grouped matmuls, but the experts stay where they rest
+      (mesh axis `expert`) and the tokens travel to them; see Sharding. Without a mesh or with an
+      `expert` axis of 1 it is "ragged".
   "dense" the oracle: every expert runs on every token, weighted by its gate (0 if not chosen).
 
 Why sort + ragged_dot and not GShard capacity dispatch (per token, D model, F expert hidden,
@@ -42,17 +45,34 @@ E experts, k chosen, capacity C = cf*S*k/E per group of S tokens):
 
 Sharding. With a mesh in context (`jax.set_mesh` or `with mesh:`) the grouped matmuls run
 inside `shard_map`: each data shard sorts only its own tokens (a global sort would gather every
-token to every device), the expert weights enter sharded along `expert_mlp` (the `tensor` mesh
-axis) and the partial outputs of the down projection are summed with one psum over it. The
-expert weights rest sharded over the `expert`/`fsdp` axes and are all-gathered per layer at the
-shard_map boundary, exactly as FSDP does for dense weights (Scout: 3*D*F*E = 2.0B parameters,
-4 GB in bf16, per layer and step). A generator mesh should therefore put its devices on
-`tensor` (and `data`), where the weights never move. True expert parallelism (tokens sent to
-the devices that hold their expert with `jax.lax.ragged_all_to_all`) would replace that gather
-by two all-to-alls of 2*S*k*D values per layer; it is the next step for large training
-batches, and fits in the same shard_map.
+token to every device), the expert weights enter cast to the body dtype and sharded along
+`expert_mlp` (the `tensor` mesh axis), and the partial outputs of the down projection are
+summed with one psum over it.
+  "ragged" (gather variant): the expert weights rest sharded over `expert` and `fsdp` and are
+      all-gathered per layer at the shard_map boundary, as FSDP does for dense weights (Scout:
+      3*D*F*E = 2.0B parameters, 4 GB in bf16, per layer, pass and microbatch). A generator mesh
+      should put its devices on `tensor` (and `data`), where no weight moves.
+  "expert_parallel": tokens are split over (data, fsdp, expert), experts over `expert` (n
+      devices, L = E/n each; only a device's own experts are gathered over `fsdp`). Each device
+      sorts its S*k (token, expert) pairs by expert, all-gathers the [n, E] pair counts (every
+      device then derives every offset, no second handshake) and sends each expert's rows to its
+      device with `jax.lax.ragged_all_to_all`, which writes them grouped by local expert (sources
+      in order within an expert), ready for ragged_dot; the outputs return by the mirror-image
+      exchange and are un-sorted and summed over k in float32 (they travel in the body dtype).
+      Dropless means static buffers sized for the worst case: a device may receive every pair
+      of its n-device group, so its receive slab is [n*S*k, D] (rows past the received count are
+      padding outside every group, never sent back; whether the grouped matmul also skips their
+      FLOPs is up to the backend: megablox `gmm` does). Bytes per device, per
+      layer and pass: out and back 2*S*k*D values, (n-1)/n of them off-chip under balanced
+      routing, against 3*D*F*E weights for the gather variant (Scout, S = 16k tokens a chip and
+      microbatch, n = 16: 0.3 GB against 4 GB; rl_scaling/dry_run.py prints both per step).
+      XLA:CPU has no ragged-all-to-all, so `exchange` picks at lowering time
+      (`jax.lax.platform_dependent`): the collective on TPU and GPU, and on CPU
+      `ragged_all_to_all_padded`, the same semantics from one all_to_all of [n, S*k, D] per-peer
+      buffers padded to the worst case (n times the ragged bytes; CPU runs are tests).
 
-Sown into the "intermediates" collection (stacked over layers by the scan):
+Sown into the "intermediates" collection (stacked over layers by the scan), computed from the
+router logits outside the shard_map, so over the global batch whatever the dispatch and mesh:
   router_aux_loss  Switch load-balancing loss E * sum_e f_e * P_e (f_e: share of the S*k
                    choices that went to expert e, P_e: mean softmax router probability);
                    the train step adds cfg.router_aux_loss_coef times its layer mean.
