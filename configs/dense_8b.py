@@ -3,8 +3,8 @@
 Command:   python launch/run.py --config=configs/dense_8b.py --workdir=gs://BUCKET/runs/dense_8b \
                --config.init_checkpoint=PARAMS --config.task.path=polaris.jsonl \
                --config.task.tokenizer=llama3/tokenizer.json
-           (PARAMS: an Orbax params checkpoint of the HF Llama-3.1-8B weights, written with
-           rl_scaling/policy/hf_io.py; Polaris-53K as JSONL of {problem, answer}.)
+           (PARAMS: a local or gs:// Orbax params checkpoint of the HF Llama-3.1-8B weights, written with
+           `launch/convert.py import`; Polaris-53K as JSONL of {problem, answer}.)
            Run the same command on every host of the trainer slice: launch/run.py initializes
            jax.distributed (rl_scaling/distributed.py) and each host feeds its share of the batch.
 Dry run:   python launch/run.py --config=configs/dense_8b.py --dry_run

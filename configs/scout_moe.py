@@ -3,8 +3,8 @@
 Command:   python launch/run.py --config=configs/scout_moe.py --workdir=gs://BUCKET/runs/scout \
                --config.init_checkpoint=PARAMS --config.task.path=polaris.jsonl \
                --config.task.tokenizer=llama4/tokenizer.json
-           (PARAMS: an Orbax params checkpoint of the HF Llama-4-Scout-17B-16E text weights, written
-           with rl_scaling/policy/hf_io.py.) Run it on every host of the trainer slice; launch/run.py
+           (PARAMS: a local or gs:// Orbax params checkpoint of the HF Llama-4-Scout-17B-16E text weights, written
+           with `launch/convert.py import`.) Run it on every host of the trainer slice; launch/run.py
            joins them with jax.distributed and each host feeds its share of the batch.
 Dry run:   python launch/run.py --config=configs/scout_moe.py --dry_run
 Variants:  --config=configs/scout_moe.py:recipe=grpo (any name in configs/common.py RECIPES)

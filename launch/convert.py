@@ -2,11 +2,13 @@
 
     python launch/convert.py import HF_DIR PARAMS_OUT [--param_dtype=float32]
         A Llama / Llama-4 checkpoint directory -> an Orbax params checkpoint for
-        --config.init_checkpoint. (init_checkpoint also takes HF_DIR itself, but every host then
-        reads the safetensors from its local disk; an Orbax checkpoint can live on gs://.)
+        --config.init_checkpoint. (init_checkpoint also takes HF_DIR itself; each host then reads
+        its slices of the safetensors, a byte range at a time on gs://.)
     python launch/convert.py export WORKDIR HF_OUT [--step=N] [--dtype=bfloat16]
         The policy of a training run (its latest checkpoint, or step N; step 0 is the warm
         start) -> HF safetensors + config.json that transformers loads.
+
+Every path may be local or gs://BUCKET/PATH (rl_scaling/paths.py).
 
 Both directions stream one tensor block at a time (rl_scaling/policy/hf_io.py); the params are
 spread over all local devices, so no single device holds the whole model.
@@ -25,7 +27,7 @@ import jax  # noqa: E402
 import ml_collections  # noqa: E402
 import orbax.checkpoint as ocp  # noqa: E402
 
-from rl_scaling import checkpoint, config as config_lib, sharding  # noqa: E402
+from rl_scaling import checkpoint, config as config_lib, paths, sharding  # noqa: E402
 from rl_scaling.policy import hf_io  # noqa: E402
 
 
@@ -40,17 +42,16 @@ def import_hf(hf_dir: str, out: str, param_dtype: str = "float32") -> None:
 
 def run_params(workdir: str, step: int | None = None):
     """(params, train ModelConfig, step) of a run's checkpoint; only the params are read."""
-    config_path = os.path.join(workdir, "config.json")
-    if not os.path.exists(config_path):
+    config_path = paths.join(workdir, "config.json")
+    if not paths.exists(config_path):
         raise SystemExit(f"{config_path} not found: is {workdir} a training run's workdir?")
-    with open(config_path) as f:
-        config = ml_collections.ConfigDict(json.load(f))
+    config = ml_collections.ConfigDict(json.loads(paths.read_text(config_path)))
     cfg = config_lib.model_config(config)
     shapes, shardings = hf_io.abstract_params(cfg, sharding.make_mesh({"fsdp": -1}))
     abstract = checkpoint.abstract_like(shapes, shardings)
     if step == 0:
-        return checkpoint.load_params(os.path.join(workdir, "warmstart", "params"), abstract), cfg, 0
-    manager = ocp.CheckpointManager(os.path.join(workdir, "checkpoints"), item_names=("state", "meta"),
+        return checkpoint.load_params(paths.join(workdir, "warmstart", "params"), abstract), cfg, 0
+    manager = ocp.CheckpointManager(paths.path(paths.join(workdir, "checkpoints")), item_names=("state", "meta"),
                                     options=ocp.CheckpointManagerOptions(read_only=True))
     steps = manager.all_steps()
     if not steps:

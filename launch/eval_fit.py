@@ -38,23 +38,21 @@ def main(argv):
     import orbax.checkpoint as ocp
     from tensorboardX import SummaryWriter
 
-    from rl_scaling import checkpoint, config as config_lib, evaluate, sharding, tasks, train
+    from rl_scaling import checkpoint, config as config_lib, evaluate, paths, sharding, tasks, train
     from rl_scaling.rl import train_step as ts
     from rl_scaling.scaling import api
 
-    workdir = os.path.abspath(_WORKDIR.value)
-    config_path = os.path.join(workdir, "config.json")
-    if not os.path.exists(config_path):
+    workdir = paths.resolve(_WORKDIR.value)  # local or gs://
+    config_path = paths.join(workdir, "config.json")
+    if not paths.exists(config_path):
         raise SystemExit(f"{config_path} not found: is --workdir a training run's workdir?")
-    with open(config_path) as f:
-        config = ml_collections.ConfigDict(json.load(f))
-    out_dir = os.path.join(workdir, "eval_fit")
-    os.makedirs(out_dir, exist_ok=True)
-    evals_path = os.path.join(out_dir, "evals.jsonl")
+    config = ml_collections.ConfigDict(json.loads(paths.read_text(config_path)))
+    out_dir = paths.join(workdir, "eval_fit")
+    paths.makedirs(out_dir)
+    evals_path = paths.join(out_dir, "evals.jsonl")
     done = {}
-    if os.path.exists(evals_path):
-        with open(evals_path) as f:
-            done = {r["step"]: r for r in map(json.loads, filter(str.strip, f))}
+    if paths.exists(evals_path):
+        done = {r["step"]: r for r in map(json.loads, filter(str.strip, paths.read_text(evals_path).splitlines()))}
 
     mesh = sharding.make_mesh(dict(config.mesh))
     task = tasks.make_task(config.task, config.seed)
@@ -64,9 +62,9 @@ def main(argv):
     state_sh = ts.state_shardings(gen_cfg, optimizer, mesh)
     abstract = checkpoint.abstract_like(
         jax.eval_shape(lambda: ts.init_state(gen_cfg, optimizer, jax.random.key(0), mesh, state_sh)), state_sh)
-    manager = ocp.CheckpointManager(os.path.join(workdir, "checkpoints"), item_names=("state", "meta"),
+    manager = ocp.CheckpointManager(paths.path(paths.join(workdir, "checkpoints")), item_names=("state", "meta"),
                                     options=ocp.CheckpointManagerOptions(read_only=True))
-    tb = SummaryWriter(os.path.join(out_dir, "tb"))
+    tb = SummaryWriter(paths.join(out_dir, "tb"))
 
     def evaluate_params(params, step):
         return evaluate.pass_rate(params, gen_cfg, task, problems, samples_per_prompt=config.eval.samples_per_prompt,
@@ -75,13 +73,12 @@ def main(argv):
                                   temperature=config.rollout.temperature)
 
     def record(row):
-        done[row["step"]] = row
-        with open(evals_path, "a") as f:
-            f.write(json.dumps(row) + "\n")
+        done[row["step"]] = row  # the whole file is rewritten: gs:// objects cannot be appended to
+        paths.write_text(evals_path, "".join(json.dumps(r) + "\n" for r in done.values()))
         tb.add_scalar("eval/pass_rate", row["pass_rate"], row["step"])
 
-    warm = os.path.join(workdir, "warmstart", "params")
-    start = warm if os.path.isdir(warm) else config.init_checkpoint  # the policy RL started from
+    warm = paths.join(workdir, "warmstart", "params")
+    start = warm if paths.isdir(warm) else config.init_checkpoint  # the policy RL started from
     if 0 not in done and start:
         params = train.load_start_params(start, gen_cfg, mesh, abstract["params"])
         ev = evaluate_params(params, 0)
@@ -107,8 +104,7 @@ def main(argv):
             last_new = time.time()
             records = [(r[axis_key] * scale, r["pass_rate"]) for r in sorted(done.values(), key=lambda r: r["step"])]
             fit = api.refit(records, target_compute=_TARGET.value)
-            with open(os.path.join(out_dir, "fit.json"), "w") as f:
-                json.dump(fit, f, indent=1, default=float)
+            paths.write_text(paths.join(out_dir, "fit.json"), json.dumps(fit, indent=1, default=float))
             if fit["status"] == "ok":
                 for key in ("A_fit", "B", "C_mid"):
                     tb.add_scalar(f"fit/{key}", fit[key], step)

@@ -23,6 +23,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import numpy as np  # noqa: E402
 
+from rl_scaling import paths as files  # noqa: E402  (local or gs://)
 from rl_scaling.scaling import api, compare, io, plots  # noqa: E402
 from rl_scaling.scaling.errors import ScalingDataError  # noqa: E402
 
@@ -76,7 +77,7 @@ def _slug(name):
 
 def run(args):
     runs = io.load_inputs(args.inputs, args.axis)
-    os.makedirs(args.out, exist_ok=True)
+    files.makedirs(args.out)
     r0 = args.r0 if args.r0 in ("measured", "fit") else float(args.r0)
     grid = {k: v for k, v in (("a_grid", _grid(args.a_grid, "a")), ("cmid_grid", _grid(args.cmid_grid, "c")))
             if v is not None}
@@ -101,7 +102,7 @@ def run(args):
                                  "pi": [float(plo[i]), float(phi[i])]} for i, c in enumerate(preds)]
         out["recipes"][recipe] = s
         results.append(res)
-        plots.plot_fit(res, os.path.join(args.out, f"fit_{_slug(recipe)}.png"), log_x=args.log_x)
+        _figure(plots.plot_fit, files.join(args.out, f"fit_{_slug(recipe)}.png"), res, log_x=args.log_x)
         _report(s)
     if results:
         top = max(r.c.max() for r in results)
@@ -110,8 +111,8 @@ def run(args):
         out["budgets"] = {"compute": budgets, "pass_rate": {r.name: table[i].tolist() for i, r in enumerate(results)},
                           "band": {r.name: [lo[i].tolist(), hi[i].tolist()] for i, r in enumerate(results)},
                           "shown": {r.name: shown[i].tolist() for i, r in enumerate(results)}}
-        plots.plot_asymptotes(results, os.path.join(args.out, "asymptotes.png"))
-        plots.plot_heatmap(results, budgets, os.path.join(args.out, "heatmap.png"))
+        _figure(plots.plot_asymptotes, files.join(args.out, "asymptotes.png"), results)
+        _figure(plots.plot_heatmap, files.join(args.out, "heatmap.png"), results, budgets)
     if len(results) >= 2:
         cmp_ = compare.compare_recipes(results, args.margin)
         out["comparison"] = cmp_
@@ -121,10 +122,15 @@ def run(args):
             print("ranking: " + ", ".join(f"{r['rank']}. {r['name']}" for r in cmp_["ranking"]))
         if cmp_.get("ranking_note"):
             print(cmp_["ranking_note"])
-    with open(os.path.join(args.out, "fit.json"), "w") as f:
-        json.dump(out, f, indent=1, default=_json_default)
-    print(f"wrote {os.path.join(args.out, 'fit.json')}")
+    files.write_text(files.join(args.out, "fit.json"), json.dumps(out, indent=1, default=_json_default))
+    print(f"wrote {files.join(args.out, 'fit.json')}")
     return out, failed
+
+
+def _figure(plot, path, *args, **kw):
+    """A plot saved as PNG to a local or gs:// path (matplotlib writes into the open file)."""
+    with files.open_file(path, "wb") as f:
+        plot(*args, path=f, **kw)
 
 
 def _json_default(v):

@@ -22,7 +22,8 @@ from ml_collections import config_flags  # noqa: E402
 _CONFIG = config_flags.DEFINE_config_file(
     "config", os.path.join(os.path.dirname(__file__), "..", "configs", "tiny.py"),
     "Experiment config file, optionally with an arg: configs/tiny.py:recipe=dapo", lock_config=True)
-_WORKDIR = flags.DEFINE_string("workdir", "/tmp/rl_scaling/tiny", "Where checkpoints, logs and metrics.jsonl go.")
+_WORKDIR = flags.DEFINE_string("workdir", "/tmp/rl_scaling/tiny", "Where checkpoints, logs and metrics.jsonl go: a "
+                               "local path or gs://BUCKET/PATH (STORAGE_EMULATOR_HOST=http://HOST:PORT for an emulator).")
 _DRY_RUN = flags.DEFINE_bool("dry_run", False, "Compile the steps for config.tpu's slices ahead of time and "
                              "check they fit in HBM; train nothing.")
 _DRY_RUN_STEPS = flags.DEFINE_list("dry_run_steps", ["train", "generation"], "What --dry_run compiles.")

@@ -34,6 +34,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 from configs import common  # noqa: E402  (no jax: --dry_run stays fast)
+from rl_scaling import paths  # noqa: E402
 
 DONE = "sweep_done"
 
@@ -87,19 +88,19 @@ def plan(args):
     specs = parse_recipes(args.recipes)
     if args.seeds < 1:
         raise SystemExit("--seeds must be >= 1")
-    workdir = os.path.abspath(args.workdir)
+    workdir = paths.resolve(args.workdir)  # local, or gs:// for --dry_run's cluster commands
     run_py = os.path.join(ROOT, "launch", "run.py")
     extra = shlex.split(args.extra)
     warm, init = None, args.init_checkpoint
     if not init:
-        ws_dir = os.path.join(workdir, "warmstart")
-        init = os.path.join(ws_dir, "warmstart", "params")
+        ws_dir = paths.join(workdir, "warmstart")
+        init = paths.join(ws_dir, "warmstart", "params")
         warm = [args.python, run_py, _config_flag(args.config, recipe=specs[0][1], seed=0), f"--workdir={ws_dir}",
                 *extra, "--config.steps=1", "--config.eval_every=1", "--config.checkpoint_every=1"]
     runs = []
     for seed in range(args.seeds):  # seed-major: a complete comparison exists after the first pass
         for label, name, overrides in specs:
-            wd = os.path.join(workdir, label, f"seed{seed}")
+            wd = paths.join(workdir, label, f"seed{seed}")
             cmd = [args.python, run_py, _config_flag(args.config, recipe=name, seed=seed), f"--workdir={wd}",
                    f"--config.init_checkpoint={init}", *overrides, *extra]
             runs.append((label, seed, wd, cmd))
@@ -108,7 +109,7 @@ def plan(args):
 
 def fit_cmd(args, workdirs):
     return [args.python, os.path.join(ROOT, "launch", "fit.py"), *workdirs,
-            f"--out={os.path.join(os.path.abspath(args.workdir), 'fit')}", f"--axis={args.axis}",
+            f"--out={paths.join(args.workdir, 'fit')}", f"--axis={args.axis}",
             *shlex.split(args.fit_args)]
 
 
@@ -138,7 +139,10 @@ def main(argv=None):
         print("# (or this command without --dry_run once the runs are done: it skips finished runs, fits and "
               "writes comparison.md)")
         return 0
-    workdir = os.path.abspath(args.workdir)
+    workdir = paths.resolve(args.workdir)
+    if paths.is_gcs(workdir):
+        raise SystemExit(f"--workdir={workdir}: a sweep runs here and streams each run's log to local files, so "
+                         "its workdir must be local; --dry_run prints the gs:// commands for a cluster")
     os.makedirs(workdir, exist_ok=True)
     record = {"args": vars(args), "started": time.strftime("%Y-%m-%d %H:%M:%S"), "runs": []}
     t_start = time.time()

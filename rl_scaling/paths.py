@@ -18,6 +18,7 @@ gcsfs anonymous credentials.
 from __future__ import annotations
 
 import fnmatch
+import io
 import os
 import re
 
@@ -117,22 +118,29 @@ def glob(pattern: str) -> list[str]:
     return sorted(str(q) for q in path(root).glob(rest) if fnmatch.fnmatchcase(str(q), pattern))
 
 
-def open_file(p, mode: str = "r", **kw):
-    """`open` for local and gs:// files. GCS objects cannot be appended to: mode 'a' is an error
-    there (rewrite the whole object instead)."""
-    if "a" in mode and is_gcs(p):
+def open_file(p, mode: str = "r", encoding: str | None = None, newline: str | None = None):
+    """`open` for local and gs:// files (text is UTF-8 unless told). GCS objects cannot be
+    appended to: mode 'a' is an error there (rewrite the whole object instead)."""
+    p = resolve(p)
+    binary = "b" in mode
+    if not is_gcs(p):
+        if "w" in mode:
+            os.makedirs(os.path.dirname(p), exist_ok=True)
+        return open(p, mode) if binary else open(p, mode, encoding=encoding or "utf-8", newline=newline)
+    if "a" in mode:
         raise PathError(f"{p}: gs:// objects cannot be appended to (mode {mode!r})")
-    if "w" in mode and not is_gcs(p):
-        os.makedirs(os.path.dirname(resolve(p)), exist_ok=True)
-    return path(p).open(mode, **kw)
+    f = epath.Path(p).open(mode.replace("t", "").replace("b", "") + "b")
+    return f if binary else io.TextIOWrapper(f, encoding=encoding or "utf-8", newline=newline)
 
 
 def read_text(p) -> str:
-    return path(p).read_text()
+    with open_file(p) as f:
+        return f.read()
 
 
 def read_bytes(p) -> bytes:
-    return path(p).read_bytes()
+    with open_file(p, "rb") as f:
+        return f.read()
 
 
 def write_text(p, text: str) -> None:

@@ -155,3 +155,68 @@ def test_metrics_and_tensorboard_on_gcs(gcs, tmp_path):
     acc = event_accumulator.EventAccumulator(str(tmp_path))
     acc.Reload()
     assert sorted((e.step, e.value) for e in acc.Scalars("loss")) == [(1, 0.25), (2, 0.5), (3, 0.0), (3, 0.75)]
+
+
+# ----------------------------------------------------------------------------- whole runs (slow)
+
+def _run_cmd(workdir, steps):
+    import test_run
+
+    return [sys.executable, os.path.join(ROOT, "launch", "run.py"), f"--workdir={workdir}",
+            *test_run.overrides(steps=steps, eval_every=10, checkpoint_every=5, log_every=5)]
+
+
+def _rows(url):
+    return {(r["step"], "eval/pass_rate" in r): r for r in map(json.loads, paths.read_text(url).splitlines())}
+
+
+@pytest.mark.slow
+def test_run_on_gcs_is_killed_resumes_bit_exactly_and_fits(gcs, tmp_path):
+    env = dict(gcs.env(), JAX_PLATFORMS="cpu", XLA_FLAGS="")
+    steps, ref_dir, work = 20, "gs://bucket/e2e/ref", "gs://bucket/e2e/killed"
+    ref = subprocess.run(_run_cmd(ref_dir, steps), env=env, cwd=tmp_path, capture_output=True, text=True, timeout=900)
+    assert ref.returncode == 0, ref.stderr[-3000:]
+
+    proc = subprocess.Popen(_run_cmd(work, steps), env=env, cwd=tmp_path, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)
+    deadline = time.time() + 600
+    while not paths.isfile(work + "/checkpoints/10/commit_success.txt"):  # Orbax's marker on GCS
+        assert proc.poll() is None and time.time() < deadline, "run ended before it could be killed"
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert max(step for step, _ in _rows(work + "/metrics.jsonl")) < steps  # really interrupted
+
+    resumed = subprocess.run(_run_cmd(work, steps), env=env, cwd=tmp_path, capture_output=True, text=True, timeout=900)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    progress = [line for line in resumed.stderr.splitlines() if line.startswith("step ")]
+    assert progress[0].startswith("step 15/20"), progress  # went on from the step-10 checkpoint in the bucket
+    ref_rows, got_rows = _rows(ref_dir + "/metrics.jsonl"), _rows(work + "/metrics.jsonl")
+    assert sorted(ref_rows) == sorted(got_rows)  # no step lost or duplicated
+    for key in ((10, True), (20, True), (steps, False)):
+        for field in ("eval/pass_rate", "loss", "reward_mean", "compute_flops", "samples"):
+            if field in ref_rows[key]:
+                assert got_rows[key][field] == ref_rows[key][field], (key, field)
+    assert paths.glob(work + "/tb/events.out.tfevents.*") and paths.isfile(work + "/config.json")
+    assert paths.isdir(work + "/warmstart/params")
+
+    fit = subprocess.run([sys.executable, os.path.join(ROOT, "launch", "fit.py"), work, f"--out={work}/fit",
+                          "--axis=steps", "--n-boot=50"],
+                         env=env, cwd=tmp_path, capture_output=True, text=True, timeout=600)
+    assert fit.returncode in (0, 1), fit.stderr[-3000:]  # a 20-step curve may not fit; it must report
+    out = json.loads(paths.read_text(work + "/fit/fit.json"))
+    assert list(out["recipes"]) == ["scalerl"]
+    assert not glob.glob(str(tmp_path / "**" / "gs:*"), recursive=True)  # nothing degraded to a local folder
+
+
+@pytest.mark.slow
+def test_unreachable_endpoint_fails_naming_the_path_and_creates_nothing_locally(tmp_path):
+    closed = gcs_emulator.free_port()  # nothing listens there
+    env = dict(os.environ, STORAGE_EMULATOR_HOST=f"http://127.0.0.1:{closed}", JAX_PLATFORMS="cpu", XLA_FLAGS="")
+    t0 = time.time()
+    res = subprocess.run(_run_cmd("gs://bucket/unreachable", 3), env=env, cwd=tmp_path, capture_output=True,
+                         text=True, timeout=180)
+    assert time.time() - t0 < 120
+    assert res.returncode != 0
+    assert "--workdir=gs://bucket/unreachable is not writable" in res.stderr, res.stderr[-3000:]
+    assert os.listdir(tmp_path) == []

@@ -19,6 +19,7 @@ import re
 
 import numpy as np
 
+from rl_scaling import paths as files  # local or gs://
 from rl_scaling.scaling.errors import ScalingDataError
 from rl_scaling.scaling.fit import check_curve
 
@@ -64,15 +65,15 @@ def _eval_samples(cfg):
 
 def _identity(workdir):
     """(recipe, seed, eval samples) of a workdir: config.json first, then the directory names."""
-    workdir = os.path.abspath(workdir)
-    base, parent = os.path.basename(workdir), os.path.basename(os.path.dirname(workdir))
+    workdir = files.resolve(workdir)
+    base, parent = files.basename(workdir), files.basename(files.dirname(workdir))
     m = _SEED_DIR.match(base)
     recipe, seed = (parent, m.group(1)) if m else (base, None)
     n_eval = None
-    cfg_path = os.path.join(workdir, "config.json")
-    if os.path.isfile(cfg_path):
+    cfg_path = files.join(workdir, "config.json")
+    if files.isfile(cfg_path):
         try:
-            with open(cfg_path) as f:
+            with files.open_file(cfg_path) as f:
                 cfg = json.load(f)
         except json.JSONDecodeError as e:
             raise ScalingDataError(f"{cfg_path}:{e.lineno}: not valid JSON ({e.msg})") from None
@@ -122,7 +123,7 @@ def load_jsonl(path, axis="flops", recipe=None, seed=None):
     _check_axis(axis)
     key, scale = _JSONL_AXIS[axis]
     c, y, err, where, steps = [], [], [], [], []
-    with open(path) as f:
+    with files.open_file(path) as f:
         for lineno, line in enumerate(f, 1):
             line = line.lstrip("\ufeff") if lineno == 1 else line  # a UTF-8 byte-order mark
             if not line.strip():
@@ -145,7 +146,7 @@ def load_jsonl(path, axis="flops", recipe=None, seed=None):
     if not c:
         raise ScalingDataError(f"{path}: no eval records (no line has '{PASS_KEY}')")
     (c, y, err, where), notes = _last_per_step(steps, (c, y, err, where), str(path))
-    r, s, n_eval = _identity(os.path.dirname(os.path.abspath(path)))
+    r, s, n_eval = _identity(files.dirname(path))
     return [_run(recipe or r, seed if seed is not None else s, c, y, np.array(err), str(path), axis,
                  where, (key, PASS_KEY), n_eval, notes)]
 
@@ -187,7 +188,7 @@ def load_tensorboard(logdir, axis="flops", recipe=None, seed=None):
 def load_csv(path):
     """CSV with columns compute, pass_rate and optional run, seed, stderr; rows of a run in any order
     (sorted by compute, with a note); a UTF-8 byte-order mark is accepted."""
-    with open(path, newline="") as f:
+    with files.open_file(path, "r", newline="") as f:
         reader = csv.DictReader(f)
         header = [_column(h) for h in (reader.fieldnames or [])]
         for col in ("compute", "pass_rate"):
@@ -236,7 +237,7 @@ def load_inputs(paths, axis="flops"):
     """Runs from any mix of workdirs (searched recursively), metrics.jsonl files, event dirs and CSVs."""
     runs = []
     for p in paths:
-        hits = sorted(glob.glob(p, recursive=True)) if glob.has_magic(p) else [p]
+        hits = files.glob(p) if glob.has_magic(p) else [p]
         if not hits:
             raise ScalingDataError(f"{p}: no such file or directory")
         for h in hits:
@@ -249,7 +250,7 @@ def load_inputs(paths, axis="flops"):
 
 
 def _load_one(path, axis):
-    if os.path.isfile(path):
+    if files.isfile(path):
         if path.endswith(".csv"):
             return load_csv(path)
         if path.endswith(".jsonl"):
@@ -257,16 +258,16 @@ def _load_one(path, axis):
         if "tfevents" in os.path.basename(path):
             return load_tensorboard(os.path.dirname(path) or ".", axis)
         raise ScalingDataError(f"{path}: unknown input type (expected .jsonl, .csv, a workdir or event files)")
-    if not os.path.isdir(path):
+    if not files.isdir(path):
         raise ScalingDataError(f"{path}: no such file or directory")
-    if os.path.isfile(os.path.join(path, "metrics.jsonl")):
-        return load_jsonl(os.path.join(path, "metrics.jsonl"), axis)
-    if glob.glob(os.path.join(path, "*tfevents*")):
+    if files.isfile(files.join(path, "metrics.jsonl")):
+        return load_jsonl(files.join(path, "metrics.jsonl"), axis)
+    if files.glob(files.join(path, "*tfevents*")):
         return load_tensorboard(path, axis)
-    found = sorted(glob.glob(os.path.join(path, "**", "metrics.jsonl"), recursive=True))
+    found = files.glob(files.join(path, "**", "metrics.jsonl"))
     if found:
         return [r for f in found for r in load_jsonl(f, axis)]
-    events = sorted({os.path.dirname(f) for f in glob.glob(os.path.join(path, "**", "*tfevents*"), recursive=True)})
+    events = sorted({files.dirname(f) for f in files.glob(files.join(path, "**", "*tfevents*"))})
     if events:
         return [r for d in events for r in load_tensorboard(d, axis)]
     raise ScalingDataError(f"{path}: no metrics.jsonl, event files or CSV found under it")
