@@ -282,7 +282,8 @@ def direction_batch(seed=3):
     differently. On-policy (old_logp = the current log-probs): no ratio is clipped."""
     rng = np.random.default_rng(seed)
     tokens = rng.integers(3, 60, size=(4, L)).astype(np.int32)
-    tokens[1, :COMPLETION_START], tokens[3, :COMPLETION_START] = tokens[0, :COMPLETION_START], tokens[2, :COMPLETION_START]
+    tokens[1, :COMPLETION_START] = tokens[0, :COMPLETION_START]  # a prompt's two samples share it
+    tokens[3, :COMPLETION_START] = tokens[2, :COMPLETION_START]
     token_mask = np.ones((4, L), bool)
     loss_mask = np.zeros((4, L), np.float32)
     for row, length in enumerate((6, 3, 4, 5)):
@@ -306,9 +307,11 @@ DEFAULT_DIRECTION = {("cispo", "prompt"), ("ppo_clip", "sample"), ("gspo", "toke
     pytest.param(loss, agg, marks=() if (loss, agg) in DEFAULT_DIRECTION else pytest.mark.slow)
     for loss, agg in DIRECTION_CASES])
 def test_one_step_raises_positive_and_lowers_negative_advantage_logp(mesh1, params0, loss, aggregation):
-    # No weight decay and second moments of the gradient's size: the update is ~ -lr x the
-    # preconditioned gradient, so the first-order change of each sequence's log-prob shows.
-    config = config_with({"loss": loss, "aggregation": aggregation}, {"lr": 3e-3, "weight_decay": 0.0, "warmup_steps": 1})
+    # No weight decay, zero first moments and fixed second moments (the weights' size): the
+    # update is ~ -lr x a positive diagonal x the gradient, so the first-order change of each
+    # sequence's log-prob shows.
+    config = config_with({"loss": loss, "aggregation": aggregation},
+                         {"lr": 3e-3, "weight_decay": 0.0, "warmup_steps": 1})
     batch = direction_batch()
     before = sequence_logp(params0, batch)
     batch["old_logp"] = np.zeros((4, L), np.float32)
@@ -316,7 +319,8 @@ def test_one_step_raises_positive_and_lowers_negative_advantage_logp(mesh1, para
     batch["old_logp"] *= batch["loss_mask"]
     flat0 = flatten(params0)
     grad_scale = {k: max(np.sqrt((v ** 2).mean()), 1e-3) for k, v in flat0.items()}  # ~ the weights' size
-    state, _, _ = mid_training_state(ts.make_optimizer(config.optim), params0, grad_scale, count=10, seed=4, mu_scale=0.0)
+    state, _, _ = mid_training_state(ts.make_optimizer(config.optim), params0, grad_scale, count=10, seed=4,
+                                     mu_scale=0.0)
 
     new_state, _ = run_rl_step(mesh1, config, state, batch)
     change = sequence_logp(new_state["params"], batch) - before
