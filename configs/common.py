@@ -88,6 +88,10 @@ def base_config() -> ml_collections.ConfigDict:
         stale_policy="wait",  # "wait": admit prompts so none gets stale; "drop": drop stale groups
         queue_size=0,  # prompt groups generated ahead (in flight + ready); 0 = 2 x prompts_per_step
         server="",  # host:port of `launch/serve.py`; "" = engine in this process
+        servers="",  # "HOST:PORT,HOST:PORT,...": M `launch/serve.py` engine replicas (failover between them)
+        token_file="",  # the rollout servers' shared secret ("" = $RL_SCALING_ROLLOUT_TOKEN, or none)
+        weights_dir="",  # "" = push weights over gRPC; a directory (gs:// too) the trainer writes, replicas poll
+        ledger=False,  # write WORKDIR/rollout_ledger/*.jsonl: the group ids and prompts of every batch
         engine_slots=0,  # max concurrent decodes of the engine; 0 = prompts_per_step x samples_per_prompt
         # Devices (the last ones) the in-process engine gets to itself; the trainer keeps the rest.
         # 0 = the engine shares the trainer's first device (its computations then queue behind the

@@ -5,7 +5,12 @@
         --config.rollout.server=127.0.0.1:50051 --workdir=/tmp/tiny_remote
 
 Binds 127.0.0.1 unless --host names another interface (e.g. --host=0.0.0.0 on a pod's
-generator slice). The server holds no weights until the trainer pushes them, or starts from
+generator slice); off loopback it refuses to start without a shared secret, which every RPC
+must then carry: $RL_SCALING_ROLLOUT_TOKEN or --token_file (the trainer reads the same variable or
+--config.rollout.token_file). Several replicas: one serve.py per engine slice, the trainer lists
+them all in --config.rollout.servers=HOST:PORT,HOST:PORT,... With --weights_dir=DIR (gs:// too) the
+replica polls the directory the trainer writes (--config.rollout.weights_dir=DIR) instead of
+taking pushes. The server holds no weights until the trainer pushes them, or starts from
 --params (an Orbax params checkpoint such as WORKDIR/warmstart/params, or a Hugging Face
 directory); it serves the `rl_scaling.Rollout` gRPC service described in
 rl_scaling/rollout/server.py. With --jetstream it also serves JetStream's `Orchestrator`
@@ -38,6 +43,8 @@ _PORT = flags.DEFINE_integer("port", 50051, "Port to bind; 0 picks a free one (s
 _PORT_FILE = flags.DEFINE_string("port_file", "", "If set, write the bound port here once serving.")
 _NUM_DEVICES = flags.DEFINE_integer("num_devices", 0, "Local devices for the engine's mesh; 0 = all.")
 _JETSTREAM = flags.DEFINE_bool("jetstream", False, "Also serve JetStream's Orchestrator API (Decode, HealthCheck).")
+_TOKEN_FILE = flags.DEFINE_string("token_file", "", "File holding the shared secret (else $RL_SCALING_ROLLOUT_TOKEN).")
+_WEIGHTS_DIR = flags.DEFINE_string("weights_dir", "", "Poll this directory (local or gs://) for the trainer's weights.")
 _PARAMS = flags.DEFINE_string("params", "", "Start from these weights (Orbax params or a Hugging Face directory) "
                               "as version 0, instead of waiting for a trainer's push.")
 
@@ -51,9 +58,17 @@ def main(argv):
 
     from rl_scaling.rollout import server as server_lib
 
+    try:
+        token = server_lib.load_token(_TOKEN_FILE.value)
+    except ValueError as e:
+        sys.exit(f"launch/serve.py: {e}")
+    if not token and not server_lib.is_loopback(_HOST.value):
+        sys.exit(f"launch/serve.py: --host={_HOST.value} is not loopback: set {server_lib.TOKEN_ENV} or --token_file "
+                 "(the shared secret every RPC must carry), or bind 127.0.0.1")
     devices = jax.devices()[: _NUM_DEVICES.value or None]
     srv = server_lib.serve(_CONFIG.value, host=_HOST.value, port=_PORT.value, devices=devices,
-                           jetstream=_JETSTREAM.value, params=_PARAMS.value)
+                           jetstream=_JETSTREAM.value, params=_PARAMS.value, token=token,
+                           weights_dir=_WEIGHTS_DIR.value)
     stop = threading.Event()
 
     def on_signal(signum, frame):

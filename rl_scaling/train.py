@@ -84,7 +84,9 @@ def train(config, workdir: str) -> dict:
         npr.load(meta["npr"])  # before the iterator state: the stream's filter reads it
     stream = data.prompt_stream(task, config.seed, P, keep=npr.keep if npr else None)
     if meta["data"] is not None:
-        stream.set_state(meta["data"])
+        # pipeline mode: replay from before the groups in flight at the checkpoint (regenerated)
+        stream.set_state(meta["pipeline"]["stream"] if config.rollout.mode == "pipeline" and meta.get("pipeline")
+                         else meta["data"])
     writer = metrics_lib.MetricsWriter(workdir, resume_step=step if restored else None)
     progress = metrics_lib.Progress(config.steps, step)
     rl_step = ts.jit_step(ts.rl_step, state_sh, mesh, model_cfg=train_cfg, rl_cfg=config.rl, optimizer=optimizer)
@@ -98,10 +100,9 @@ def train(config, workdir: str) -> dict:
 
     rollouts = None  # PipelineRL-k: rollouts generated in the background by a JetStream engine
     if config.rollout.mode == "pipeline":
-        if distributed.multiprocess():
-            raise ValueError("config.rollout.mode='pipeline' runs in one process only for now (each host would start "
-                             "its own engine or client); with several hosts use mode='sync'")
-        rollouts = pipeline.from_config(config, task, stream, gen_cfg, state["params"], step)
+        ledger = paths.join(workdir, "rollout_ledger", f"from_step{step}") if config.rollout.get("ledger") else ""
+        rollouts = pipeline.from_config(config, task, stream, gen_cfg, state["params"], step,
+                                        resume=meta.get("pipeline") if restored else None, ledger=ledger)
         n_devices += rollouts.devices  # a remote rollout server's accelerators count as compute
     pending = None  # metrics are read one step late so the host never waits on the device
     compile_clock = compute.CompileClock()
@@ -160,7 +161,8 @@ def train(config, workdir: str) -> dict:
             progress.print(step, {**({"eval/pass_rate": last_eval["pass_rate"]} if is_eval else {}),
                                   "reward_mean": float(rewards.mean())})
         if is_checkpoint:
-            meta = {"data": stream.get_state(), **counters, **({"npr": npr.state()} if npr else {})}
+            meta = {"data": stream.get_state(), **counters, **({"npr": npr.state()} if npr else {}),
+                    **({"pipeline": rollouts.resume_state()} if rollouts is not None else {})}
             ckpts.save(step, state, meta)
     if pending is not None:
         writer.write(*_drain(pending))

@@ -68,10 +68,16 @@ class WeightHolder:
         placed = self._copy(jax.device_put(params, self.shardings)) if self.shardings is not None else params
         jax.block_until_ready(placed)  # the trainer donates its copy on the next step
         with self._changed:
-            if version < self._version:  # a new trainer session (e.g. resumed from an older checkpoint)
-                log.warning("weight version went back from %d to %d", self._version, version)
+            if version < self._version:  # refused, not warned about: a new trainer calls restart() first
+                raise ValueError(f"weight version {version} is older than the engine's {self._version}")
             self._params, self._version = placed, int(version)
             self._changed.notify_all()
+
+    def restart(self) -> None:
+        """A new trainer session: its versions start afresh. The old weights stay for sequences still
+        in flight (their results are discarded), but no new group starts before the new push."""
+        with self._changed:
+            self._version = -1
 
     def get(self):
         with self._lock:

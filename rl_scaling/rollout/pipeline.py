@@ -24,8 +24,11 @@ a step trains on exactly P whole groups or raises: never on partial data.
 
 Topologies: the engine in this process (`EmbeddedBackend`; with rollout.engine_devices=n
 it gets the last n devices to itself and the trainer's mesh the rest, otherwise it shares
-the trainer's first device and its computations queue behind the trainer's), or in
-`launch/serve.py` on another process or slice (`server.RemoteBackend`, rollout.server).
+the trainer's first device and its computations queue behind the trainer's), or M engine
+replicas, each a `launch/serve.py` process on its own devices or slice (`client.RemoteBackend`,
+rollout.servers; failover between them). With several trainer processes (jax.distributed),
+process 0 drives the pipeline and every other process gets each batch from it
+(multihost.BroadcastPipeline): all see the same global batch and feed their own rows.
 
 Faults: every wait polls the backend's health at least every 0.1 s; a dead generator
 thread, engine or server raises `RolloutError` naming it (a remote backend first tries
@@ -33,8 +36,10 @@ to reconnect for rollout.reconnect_s); a generator alive but stuck for `stall_s`
 too. `close()` stops the threads; it also runs at interpreter exit (Ctrl-C included)
 for pipelines left open.
 
-Resume: the prompt stream is pulled ahead of training; groups in flight when a checkpoint
-is taken are not regenerated after a resume (off-policy data, skipped prompts).
+Resume: the prompt stream is pulled ahead of training. `resume_state()` (saved with each
+checkpoint) is the stream's state before the oldest prompt not yet trained on, plus the
+prompts after it that were (to skip when the stream is replayed): groups in flight at the
+checkpoint are regenerated after a resume, so a resumed run sees every prompt of the stream.
 """
 
 from __future__ import annotations
@@ -53,15 +58,12 @@ import numpy as np
 
 from rl_scaling import sharding
 from rl_scaling.rollout import sampler
+from rl_scaling.rollout.errors import RolloutError
 
 log = logging.getLogger(__name__)
 
 MODES = ("sync", "pipeline")
 STALE_POLICIES = ("wait", "drop")
-
-
-class RolloutError(RuntimeError):
-    """The rollout generator, engine or server failed; the message says which and why."""
 
 
 class StepData(NamedTuple):
@@ -131,7 +133,7 @@ atexit.register(close_all)
 class Pipeline:
     def __init__(self, backend, task, stream, *, prompts_per_step: int, samples_per_prompt: int,
                  max_prompt_len: int, max_new_tokens: int, max_staleness: int, stale_policy: str = "wait",
-                 queue_size: int = 0, poll_s: float = 0.1, stall_s: float = 600.0):
+                 queue_size: int = 0, poll_s: float = 0.1, stall_s: float = 600.0, skip_prompts: dict | None = None):
         if stale_policy not in STALE_POLICIES:
             raise ValueError(f"config.rollout.stale_policy={stale_policy!r} is not valid; choose one of {STALE_POLICIES}")
         if max_staleness < 0:
@@ -147,7 +149,11 @@ class Pipeline:
             cap = min(cap, (self.k + 1) * self.P)
         self.capacity = cap
         self.version = -1
-        self._problems = collections.deque()  # pulled from the stream, not yet submitted
+        self._problems = collections.deque()  # (serial, problem) pulled from the stream, not yet submitted
+        self._serial = 0  # problems pulled from the stream so far (after skips)
+        self._serial_of: dict[int, int] = {}  # outstanding group id -> serial of its problem
+        self._pulls = collections.deque()  # (stream state before a pull, first serial, [prompts]) still needed
+        self._skip = collections.Counter(skip_prompts or {})  # prompts already trained on before a resume
         self._outstanding: dict[int, object] = {}  # group id -> problem, submitted, not consumed/dropped
         self._order = collections.deque()  # outstanding group ids in submission order
         self._ready: dict = {}  # group id -> GroupResult
@@ -179,8 +185,9 @@ class Pipeline:
 
         while len(self._outstanding) < self.capacity:
             if not self._problems:
-                self._problems.extend(next(self.stream))
-            problem = self._problems.popleft()
+                self._pull()
+                continue
+            serial, problem = self._problems.popleft()
             ids = np.asarray(self.tok.encode(problem.prompt), np.int32)
             if len(ids) > self.max_prompt_len:
                 raise ValueError(f"prompt has {len(ids)} tokens, more than config.task.max_prompt_len="
@@ -188,11 +195,45 @@ class Pipeline:
             gid = self._next_gid
             self._next_gid += 1
             self._outstanding[gid] = problem
+            self._serial_of[gid] = serial
             self._order.append(gid)
             requests.append(GroupRequest(gid, ids, self.G, min_version=max(self.version, 0)))
         if requests:
             self.backend.submit(requests)
             self.counts["submitted"] += len(requests)
+
+    def _pull(self):
+        state = self.stream.get_state() if hasattr(self.stream, "get_state") else None
+        entries = []  # (prompt, serial); serial None: skipped, trained on before the checkpoint resumed from
+        for problem in next(self.stream):
+            if self._skip[problem.prompt] > 0:
+                self._skip[problem.prompt] -= 1
+                entries.append((problem.prompt, None))
+                continue
+            entries.append((problem.prompt, self._serial))
+            self._problems.append((self._serial, problem))
+            self._serial += 1
+        self._pulls.append((state, entries))
+        self._trim_pulls(self._pending_serials())
+
+    def _pending_serials(self) -> set:
+        return set(self._serial_of.values()) | {s for s, _ in self._problems}
+
+    def _trim_pulls(self, pending):
+        """Forget pulls before the oldest one that still has a prompt not trained on."""
+        while len(self._pulls) > 1 and not any(s in pending for _, s in self._pulls[0][1] if s is not None):
+            self._pulls.popleft()
+
+    def resume_state(self) -> dict:
+        """{"stream": state to replay from, "skip": {prompt: count}}: replaying the stream from
+        `stream` and skipping `skip` gives exactly the prompts not yet trained on (nor dropped)."""
+        pending = self._pending_serials()
+        self._trim_pulls(pending)
+        if not self._pulls:
+            return {"stream": self.stream.get_state() if hasattr(self.stream, "get_state") else None, "skip": {}}
+        skip = collections.Counter(prompt for _, entries in self._pulls for prompt, s in entries
+                                   if s is None or s not in pending)
+        return {"stream": self._pulls[0][0], "skip": dict(skip)}
 
     def _receive(self, timeout: float):
         for r in self.backend.poll(timeout):
@@ -209,6 +250,7 @@ class Pipeline:
         if r is not None:  # generated, then found too stale: its compute was spent all the same
             self._dropped_lengths.append((np.full(len(r.lengths), len(r.prompt)), np.asarray(r.lengths)))
         self._outstanding.pop(gid)
+        self._serial_of.pop(gid)
         self._order.remove(gid)
         self.counts["dropped"] += 1
 
@@ -251,6 +293,7 @@ class Pipeline:
         for gid in chosen:
             self._ready.pop(gid)
             self._outstanding.pop(gid)
+            self._serial_of.pop(gid)
             self._order.remove(gid)
         self.counts["consumed"] += len(chosen)
         return data
@@ -303,10 +346,11 @@ class Pipeline:
             "rollout/dropped_groups": float(self.counts["dropped"]),
             "rollout/duplicates": float(self.counts["duplicates"]),
             **{f"rollout/staleness_{s}": float(c) for s, c in enumerate(hist)},
+            **(self.backend.metrics() if hasattr(self.backend, "metrics") else {}),
         }
         if self._t_prev is not None:
             metrics["rollout/trainer_idle_frac"] = wait / max(now - self._t_prev, 1e-9)
-            d = {k: gen[k] - self._gen_prev[k] for k in ("busy_s", "idle_s", "steps", "slot_steps")}
+            d = {k: max(gen[k] - self._gen_prev[k], 0) for k in ("busy_s", "idle_s", "steps", "slot_steps")}
             metrics["rollout/gen_idle_frac"] = d["idle_s"] / max(d["busy_s"] + d["idle_s"], 1e-9)
             metrics["rollout/slot_occupancy"] = d["slot_steps"] / max(d["steps"] * gen["slots"], 1)
         self._t_prev, self._gen_prev = now, gen
@@ -338,7 +382,7 @@ def check_config(config) -> None:
 
 def _embedded_split(config) -> int:
     rc = config.rollout
-    return rc.engine_devices if rc.mode == "pipeline" and not rc.server else 0
+    return rc.engine_devices if rc.mode == "pipeline" and not (rc.server or rc.get("servers", "")) else 0
 
 
 def trainer_devices(config):
@@ -356,25 +400,46 @@ def engine_devices(config):
     return jax.devices()[len(jax.devices()) - n:] if n else jax.devices()[:1]
 
 
-def from_config(config, task, stream, gen_cfg, params, version: int) -> Pipeline:
-    """The pipeline a run's config asks for, with `params` pushed as `version`:
-    an embedded engine, or a client of `launch/serve.py` at config.rollout.server."""
+def servers_of(config) -> list[str]:
+    """The replica addresses: rollout.servers ('HOST:PORT,HOST:PORT,...'), or the one rollout.server."""
+    from rl_scaling.rollout import client
+
+    rc = config.rollout
+    return client.parse_servers(rc.get("servers", "") or rc.server)
+
+
+def from_config(config, task, stream, gen_cfg, params, version: int, *, resume: dict | None = None,
+                ledger: str = ""):
+    """The pipeline a run's config asks for, with `params` pushed as `version`: an embedded
+    engine, or a client of the `launch/serve.py` replicas at config.rollout.servers. With several
+    trainer processes, process 0 drives it and broadcasts each batch (multihost.BroadcastPipeline).
+    `resume`: a checkpoint's resume_state(); the stream must already be at resume["stream"]."""
     check_config(config)
     rc = config.rollout
     P, G = rc.prompts_per_step, rc.samples_per_prompt
-    if jax.process_count() > 1:
-        raise NotImplementedError("config.rollout.mode='pipeline' drives one trainer process; a multi-host trainer "
-                                  "needs the batch broadcast to every process (not implemented): use mode='sync'")
-    if rc.server:
-        from rl_scaling.rollout import server
+    servers = servers_of(config)
+    if jax.process_count() > 1 and not servers:
+        raise ValueError("config.rollout.mode='pipeline' with several trainer processes needs engine replicas of their "
+                         "own (config.rollout.servers=HOST:PORT,...): an embedded engine would run once per host")
+    pipe = None
+    if jax.process_index() == 0:
+        if servers:
+            from rl_scaling.rollout import client, wire
 
-        backend = server.RemoteBackend(rc.server, expected=server.fingerprint(config), reconnect_s=rc.reconnect_s)
-    else:
-        engine, holder = make_engine(config, gen_cfg, task.tokenizer, engine_devices(config))
-        backend = EmbeddedBackend(engine, holder)
-    pipe = Pipeline(backend, task, stream, prompts_per_step=P, samples_per_prompt=G,
-                    max_prompt_len=config.task.max_prompt_len, max_new_tokens=rc.max_new_tokens,
-                    max_staleness=rc.max_staleness, stale_policy=rc.stale_policy, queue_size=rc.queue_size)
+            backend = client.RemoteBackend(servers, expected=wire.fingerprint(config), reconnect_s=rc.reconnect_s,
+                                           token=wire.load_token(rc.get("token_file", "")),
+                                           weights_dir=rc.get("weights_dir", ""))
+        else:
+            engine, holder = make_engine(config, gen_cfg, task.tokenizer, engine_devices(config))
+            backend = EmbeddedBackend(engine, holder)
+        pipe = Pipeline(backend, task, stream, prompts_per_step=P, samples_per_prompt=G,
+                        max_prompt_len=config.task.max_prompt_len, max_new_tokens=rc.max_new_tokens,
+                        max_staleness=rc.max_staleness, stale_policy=rc.stale_policy, queue_size=rc.queue_size,
+                        skip_prompts=(resume or {}).get("skip"))
+    if jax.process_count() > 1 or ledger:
+        from rl_scaling.rollout import multihost
+
+        pipe = multihost.BroadcastPipeline(pipe, task.tokenizer, G, ledger=ledger)
     try:
         pipe.push_weights(params, version)
     except BaseException:

@@ -3,7 +3,8 @@
 `python launch/serve.py --config=configs/tiny.py --port=PORT` runs a `PolicyEngine` and its
 `Generator` (rollout/engine.py) and serves, on 127.0.0.1 unless --host names another
 interface, the service `rl_scaling.Rollout`. The trainer connects with
-`--config.rollout.mode=pipeline --config.rollout.server=HOST:PORT`.
+`--config.rollout.mode=pipeline --config.rollout.servers=HOST:PORT[,HOST:PORT...]`
+(client.py: several replicas, failover).
 
 Why a service of ours for RL and not JetStream's stock gRPC `Decode`: that API returns token
 ids and text only; RL needs each token's generator log-prob and policy version, and log-probs
@@ -11,67 +12,71 @@ recomputed on the trainer would not be those the sampler drew from. With `jetstr
 (`launch/serve.py --jetstream`) the same server also speaks JetStream's `Orchestrator` API over
 the same engine and weights, for JetStream's stock clients (rollout/jetstream_service.py).
 
-The service uses grpc's generic handlers (no generated code); every message is an
-uncompressed .npz archive (a JSON header `__meta__` plus plain numpy arrays). The server
-never unpickles: `unpack` refuses object arrays, compressed members and anything else.
-Every request is checked field by field before it touches the engine; a malformed one is
-answered INVALID_ARGUMENT with a message naming the fault, any other failure INTERNAL with
-a one-line message (the traceback stays in the server's log), never UNKNOWN.
+The service uses grpc's generic handlers (no generated code); messages are wire.py's .npz
+archives, never unpickled. Every request is checked field by field before it touches the
+engine; a malformed one is answered INVALID_ARGUMENT with a message naming the fault, a
+well-formed one beyond the server's limits RESOURCE_EXHAUSTED, any other failure INTERNAL
+with a one-line message (the traceback stays in the server's log), never UNKNOWN.
+
+Authentication: with a token (wire.load_token: $RL_SCALING_ROLLOUT_TOKEN or --token_file),
+every RPC of every service must carry it in the `x-rl-scaling-token` metadata (compared in
+constant time) or is answered UNAUTHENTICATED before any handler runs.
 
   Health({})                                  -> {instance, live, error, version, fingerprint, devices, stats}
-  PushWeights(stream of chunks)               -> {version}
-      the weight channel: after every trainer step the trainer streams its params, leaf by
-      leaf, in chunks of at most 64 MiB (`key`, dtype, shape, raw bytes); the server swaps
-      them in between two generate steps (sequences in flight keep their KV cache). A
-      group is started only once the server has weights at least as new as its
-      `min_version` (the trainer's version when it was submitted).
-  Submit({groups: [{id, num_samples, min_version}]}, prompt_<id>)   -> {accepted}
+  PushWeights(stream of chunks; metadata x-rl-scaling-session)   -> {version}
+      the weight channel: the trainer streams its params leaf by leaf in chunks of at most
+      64 MiB; the server swaps them in between two generate steps (sequences in flight keep
+      their KV cache). Within a session versions only go up: an older one is refused
+      (FAILED_PRECONDITION). A group is started only once the server has weights at least as
+      new as its `min_version`. (Or, with `weights_dir`, the server polls a directory the
+      trainer writes: weights_dir.py.)
+  Submit({session, groups: [{id, num_samples, min_version}]}, prompt_<id>)   -> {accepted}
+      at most MAX_SAMPLES samples a group, `max_submit_samples` a Submit and `max_pending`
+      groups queued.
   Fetch({ack: [ids], timeout})                -> finished groups (prompt_<id>, tokens_<id>, logprobs_<id>,
       versions_<id>, lengths_<id>, stopped_<id>, forced_<id>), generator stats, the server's error if any.
-      Long-polls up to `timeout`. A group is re-sent until acked (the client drops
-      duplicates by id), so a lost reply loses no group.
+      Long-polls up to `timeout` (<= MAX_FETCH_S); at most `max_fetches` at once. A group is
+      re-sent until acked (the client drops duplicates by id), so a lost reply loses no group.
 
-Faults: the client turns a dead server into `RolloutError` within `reconnect_s`: it retries
-for that long, and if a new server instance answers it pushes the latest weights again
-and resubmits the groups still outstanding; otherwise it stops with a message naming
-the address. A failed generator thread in the server is reported through Health/Fetch.
+Sessions: a Submit with a new session id is a new trainer: the server forgets the previous
+session's groups and results. A PushWeights with a new session id restarts the version count
+(a trainer resumed from an older checkpoint); within a session versions only go up.
 """
 
 from __future__ import annotations
 
 import functools
-import io
-import json
+import hashlib
+import hmac
 import logging
-import math
 import queue
 import threading
 import time
 import uuid
-import zipfile
 from concurrent import futures
 
 import grpc
 import jax
-import numpy as np
 from flax import linen as nn
 
 from rl_scaling.policy import model as model_lib
 from rl_scaling.rollout import generator as generator_lib
-from rl_scaling.rollout.pipeline import RolloutError
+from rl_scaling.rollout import weights_dir as weights_dir_lib
+from rl_scaling.rollout.client import RemoteBackend  # noqa: F401 - re-exported: the service's client
+from rl_scaling.rollout.errors import RolloutError  # noqa: F401 - re-exported
+from rl_scaling.rollout.wire import (  # noqa: F401 - re-exported for the service's users
+    CHUNK_BYTES, OPTIONS, RESULT_FIELDS, SERVICE, TOKEN_ENV, TOKEN_METADATA, BadRequest, _leaf_keys, check_prompt, field,
+    fingerprint, load_token, pack, read_weight_chunks, unpack, weight_chunks)
 
 log = logging.getLogger(__name__)
 
-SERVICE = "rl_scaling.Rollout"
-CHUNK_BYTES = 64 << 20
-MAX_MESSAGE = 256 << 20
-RESULT_FIELDS = ("prompt", "tokens", "logprobs", "versions", "lengths", "stopped", "forced")  # GroupResult order
+SESSION_METADATA = "x-rl-scaling-session"
 MAX_SAMPLES = 4096  # per group: a bigger request is refused, not allowed to exhaust host memory
-_OPTIONS = [("grpc.max_send_message_length", MAX_MESSAGE), ("grpc.max_receive_message_length", MAX_MESSAGE)]
+MAX_FETCH_S = 60.0  # longest Fetch long-poll
 
 
-class BadRequest(ValueError):
-    """A malformed request: answered INVALID_ARGUMENT with this message."""
+def is_loopback(host: str) -> bool:
+    return host in ("localhost", "::1") or host.startswith("127.")
 
 
 class Refused(Exception):
@@ -124,179 +129,60 @@ def guarded_stream(method: str, fn):
     return handler
 
 
-def pack(meta: dict, arrays: dict | None = None) -> bytes:
-    buf = io.BytesIO()
-    np.savez(buf, __meta__=np.frombuffer(json.dumps(meta).encode(), np.uint8), **(arrays or {}))
-    return buf.getvalue()
+def _token_digest(token: str) -> bytes:
+    return hashlib.sha256(token.encode()).digest()  # equal lengths: compare_digest leaks nothing
 
 
-def _read_member(archive, info):
-    if info.compress_type != zipfile.ZIP_STORED or not info.filename.endswith(".npy"):
-        raise ValueError(f"member {info.filename!r} is not an uncompressed .npy")  # a compressed one could explode
-    with archive.open(info) as f:  # the header first: refuse a shape bigger than the bytes present
-        version = np.lib.format.read_magic(f)
-        if version not in ((1, 0), (2, 0)):
-            raise ValueError(f"member {info.filename!r}: .npy format version {version}")
-        read_header = np.lib.format.read_array_header_1_0 if version == (1, 0) else np.lib.format.read_array_header_2_0
-        shape, _, dtype = read_header(f)
-        if dtype.hasobject or math.prod(shape) * dtype.itemsize > info.file_size:
-            raise ValueError(f"member {info.filename!r}: {dtype} {shape} is not a plain array of its size")
-    with archive.open(info) as f:
-        return np.lib.format.read_array(f, allow_pickle=False)
+class TokenCheck(grpc.ServerInterceptor):
+    """Every RPC, of every service on the server, must carry the shared secret."""
 
+    def __init__(self, token: str):
+        self._digest = _token_digest(token)
 
-def unpack(blob: bytes):
-    """(meta, arrays) of a `pack` message. Never unpickles; BadRequest names what is wrong."""
-    try:
-        with zipfile.ZipFile(io.BytesIO(blob)) as archive:
-            arrays = {info.filename[:-4]: _read_member(archive, info) for info in archive.infolist()}
-        raw = arrays.pop("__meta__")
-        if raw.dtype != np.uint8 or raw.ndim != 1:
-            raise ValueError(f"__meta__ is {raw.dtype} {raw.shape}, not JSON bytes")
-        meta = json.loads(raw.tobytes().decode())
-    except Exception as e:  # noqa: BLE001 - any failure to parse client bytes is the client's fault
-        raise BadRequest(f"not a message of this service (an uncompressed .npz of plain arrays with a JSON "
-                         f"__meta__): {type(e).__name__}: {e}") from None
-    if not isinstance(meta, dict):
-        raise BadRequest(f"__meta__ must be a JSON object, got {type(meta).__name__}")
-    return meta, arrays
+    def intercept_service(self, continuation, details):
+        given = dict(details.invocation_metadata or ()).get(TOKEN_METADATA, "")
+        if hmac.compare_digest(_token_digest(given if isinstance(given, str) else ""), self._digest):
+            return continuation(details)
+        handler = continuation(details)
+        if handler is None:
+            return None
+        message = f"{details.method}: missing or wrong {TOKEN_METADATA} (the rollout token: ${TOKEN_ENV} or --token_file)"
 
+        def deny(request, context):
+            context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
 
-def field(obj, name: str, kind, where: str = "the request"):
-    """obj[name], checked to be a `kind` (int and float exclude bool; float must be finite)."""
-    value = obj.get(name) if isinstance(obj, dict) else None
-    if kind is int:
-        ok = isinstance(value, int) and not isinstance(value, bool)
-    elif kind is float:
-        ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-    else:
-        ok = isinstance(value, kind)
-    if not ok:
-        raise BadRequest(f"{where}: field {name!r} must be a{'n' if kind is int else ''} {kind.__name__}, "
-                         f"got {str(value)[:60]!r}")
-    return value
+        def deny_stream(request, context):
+            context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
+            yield  # never reached: makes this a response stream
 
-
-def check_prompt(tokens, *, max_len: int, vocab_size: int, where: str = "the request") -> np.ndarray:
-    """A prompt as the engine takes it (1-D int32, 1..max_len ids in [0, vocab_size)) or BadRequest."""
-    a = np.asarray(tokens)
-    if a.ndim != 1 or not (np.issubdtype(a.dtype, np.integer) or a.size == 0):
-        raise BadRequest(f"{where}: a prompt is a 1-D array of integer token ids, got {a.dtype} of shape {a.shape}")
-    if not 1 <= a.size <= max_len:
-        raise BadRequest(f"{where}: prompt of {a.size} tokens; this engine takes 1..{max_len}")
-    if a.min() < 0 or a.max() >= vocab_size:
-        raise BadRequest(f"{where}: token ids must be in [0, {vocab_size}), got {a.min()}..{a.max()}")
-    return a.astype(np.int32)
-
-
-def fingerprint(config) -> dict:
-    """What must agree between a trainer and its rollout server."""
-    rc = config.rollout
-    return {"model": {k: v for k, v in config.model.to_dict().items()}, "fp32_lm_head": rc.fp32_lm_head,
-            "task": config.task.name, "max_prompt_len": config.task.max_prompt_len,
-            "max_new_tokens": rc.max_new_tokens, "temperature": rc.temperature,
-            "length_control": {k: rc[k] for k in ("length_control", "think_budget_lo", "think_budget_hi",
-                                                  "interrupt_phrase", "answer_budget")}}
-
-
-def _leaf_keys(tree):
-    leaves, treedef = jax.tree_util.tree_flatten_with_path(tree)
-    return [jax.tree_util.keystr(p) for p, _ in leaves], [x for _, x in leaves], treedef
-
-
-def weight_chunks(params, version: int):
-    """Yield the PushWeights request stream for `params` (host copies are made here)."""
-    keys, leaves, _ = _leaf_keys(params)
-    host = jax.device_get(leaves)
-    for key, x in zip(keys, host):
-        x = np.ascontiguousarray(x)
-        raw = x.reshape(-1).view(np.uint8)
-        n = max(1, -(-raw.size // CHUNK_BYTES))
-        for i in range(n):
-            meta = {"version": version, "key": key, "dtype": str(x.dtype), "shape": list(x.shape), "part": i, "parts": n}
-            yield pack(meta, {"data": raw[i * CHUNK_BYTES:(i + 1) * CHUNK_BYTES]})
-    yield pack({"version": version, "done": True, "leaves": len(keys)})
-
-
-def _chunk_header(meta, expected):
-    """(key, dtype, shape, parts) of one weight chunk, checked (against `expected` {key: shape} if given)."""
-    where = "weight chunk"
-    key = field(meta, "key", str, where)
-    where = f"weight chunk of {key}"
-    try:
-        dtype = jax.numpy.dtype(field(meta, "dtype", str, where))
-    except TypeError as e:
-        raise BadRequest(f"{where}: dtype {meta['dtype']!r}: {e}") from None
-    if not jax.numpy.issubdtype(dtype, jax.numpy.floating):
-        raise BadRequest(f"{where}: weights are floating point, got dtype {dtype}")
-    shape = field(meta, "shape", list, where)
-    if not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape):
-        raise BadRequest(f"{where}: shape {shape} is not a list of sizes")
-    if expected is not None and key not in expected:
-        raise BadRequest(f"{where}: the server's model has no weight {key}")
-    if expected is not None and tuple(shape) != tuple(expected[key]):
-        raise BadRequest(f"weight {key} has shape {tuple(shape)}, the server's model expects {tuple(expected[key])}")
-    parts = field(meta, "parts", int, where)
-    if parts < 1:
-        raise BadRequest(f"{where}: parts={parts}")
-    return key, dtype, tuple(shape), parts
-
-
-def read_weight_chunks(blobs, expected: dict | None = None):
-    """(version, {key: array}) from a PushWeights stream. BadRequest (a ValueError) if a chunk is
-    malformed, out of order or missing, or (with `expected`, {key: shape}) names a weight the
-    model has not or has another shape: checked chunk by chunk, before the bytes pile up."""
-    parts: dict[str, list] = {}
-    header_of: dict[str, tuple] = {}
-    version = None
-    for blob in blobs:
-        meta, arrays = unpack(blob)
-        v = field(meta, "version", int, "weight chunk")
-        if version is not None and v != version:
-            raise BadRequest(f"weight push mixes versions {version} and {v}")
-        version = v
-        if meta.get("done"):
-            leaves = field(meta, "leaves", int, "last weight chunk")
-            if len(parts) != leaves or any(len(parts[k]) != header_of[k][3] for k in parts):
-                raise BadRequest(f"weight push incomplete: {len(parts)} of {leaves} leaves")
-            out = {}
-            for k, (_, dtype, shape, _) in header_of.items():
-                raw = np.concatenate(parts[k])
-                if raw.size != math.prod(shape) * dtype.itemsize:
-                    raise BadRequest(f"weight {k}: {raw.size} bytes for {dtype} {shape}")
-                out[k] = raw.view(dtype).reshape(shape)
-            return version, out
-        header = _chunk_header(meta, expected)
-        key = header[0]
-        if header_of.setdefault(key, header) != header:
-            raise BadRequest(f"weight chunk of {key}: dtype, shape or parts differ from its first chunk")
-        received = parts.setdefault(key, [])
-        if meta.get("part") != len(received) or len(received) >= header[3]:
-            raise BadRequest(f"weight chunk of {key}: part {meta.get('part')!r}, expected {len(received)} of {header[3]}")
-        data = arrays.get("data")
-        if data is None or data.dtype != np.uint8 or data.ndim != 1:
-            raise BadRequest(f"weight chunk of {key}: `data` must be 1-D uint8 bytes")
-        received.append(data)
-    raise BadRequest("weight push ended before its last chunk")
-
+        kind = (handler.request_streaming, handler.response_streaming)
+        make = {(False, False): grpc.unary_unary_rpc_method_handler, (True, False): grpc.stream_unary_rpc_method_handler,
+                (False, True): grpc.unary_stream_rpc_method_handler, (True, True): grpc.stream_stream_rpc_method_handler}
+        return make[kind](deny_stream if kind[1] else deny)
 
 class RolloutServer:
     """The gRPC service over one engine + generator thread (and, with `jetstream`, JetStream's
     Orchestrator service over the same generator)."""
 
     def __init__(self, engine, holder, *, host: str = "127.0.0.1", port: int = 0, fingerprint: dict | None = None,
-                 resend_s: float = 10.0, threads: int = 8, jetstream: bool = False):
+                 resend_s: float = 10.0, threads: int = 8, jetstream: bool = False, token: str = "",
+                 max_submit_samples: int = 1 << 16, max_pending: int = 4096, max_fetches: int = 4,
+                 weights_dir: str = "", poll_s: float = 1.0):
         self.engine, self.holder = engine, holder
         self.generator = generator_lib.Generator(engine, holder).start()
         self.instance = uuid.uuid4().hex
         self.fingerprint = fingerprint or {}
         self.resend_s = resend_s
+        self.max_submit_samples, self.max_pending = max_submit_samples, max_pending
+        self._fetch_slots = threading.BoundedSemaphore(max_fetches)
         abstract = jax.eval_shape(lambda: nn.unbox(model_lib.init_params(engine.cfg, jax.random.key(0))))
         self._keys, self._avals, self._treedef = _leaf_keys(abstract)
         self._shapes = {k: a.shape for k, a in zip(self._keys, self._avals)}
         self._completed: dict[int, list] = {}  # group id -> [GroupResult, time sent or None]
         self._session = None  # the trainer whose groups are being served (group ids are per session)
+        self._weights_session = None  # the trainer whose pushes set the version (versions only go up within it)
         self._lock = threading.Lock()
+        self._weights_lock = threading.Lock()  # one weight update at a time (push or directory)
         self._stopped = threading.Event()
         handlers = {
             "Health": grpc.unary_unary_rpc_method_handler(guarded("Health", self._health)),
@@ -309,15 +195,21 @@ class RolloutServer:
             from rl_scaling.rollout import jetstream_service  # it builds on this module
 
             services.append(jetstream_service.Orchestrator(self).service())
-        self._server = grpc.server(futures.ThreadPoolExecutor(max_workers=threads), options=_OPTIONS)
+        interceptors = [TokenCheck(token)] if token else []
+        self._server = grpc.server(futures.ThreadPoolExecutor(max_workers=threads), options=OPTIONS,
+                                   interceptors=interceptors)
         self._server.add_generic_rpc_handlers(services)
         self.port = self._server.add_insecure_port(f"{host}:{port}")
         if not self.port:
             raise OSError(f"rollout server: cannot bind {host}:{port}")
         self.address = f"{host}:{self.port}"
+        self.weights_dir, self.poll_s = weights_dir, poll_s
+        self._poller = threading.Thread(target=self._poll_weights, name="weights-dir-poller", daemon=True)
 
     def start(self):
         self._server.start()
+        if self.weights_dir:
+            self._poller.start()
         log.info("rollout server %s listening on %s", self.instance[:8], self.address)
         return self
 
@@ -334,6 +226,8 @@ class RolloutServer:
         self._stopped.set()
         self._server.stop(grace).wait(grace + 1)
         self.generator.stop()
+        if self._poller.is_alive():
+            self._poller.join(self.poll_s + 5)
 
     def wait(self, poll_s: float = 0.5) -> str:
         """Block until stopped or the generator fails; returns the error text ("" if none)."""
@@ -344,6 +238,46 @@ class RolloutServer:
             time.sleep(poll_s)
         return ""
 
+    # ---- sessions and weights ----------------------------------------------------------
+    def _join_session(self, session: str) -> None:
+        """Called with self._lock held: a new trainer drops the old one's work, results and versions."""
+        if session == self._session:
+            return
+        if self._session is not None:
+            log.info("new trainer session %s: dropping the previous session's groups", session[:8])
+        self._session = session
+        self.generator.reset()
+        self._completed.clear()
+
+    def _set_weights(self, arrays: dict, version: int, session: str | None = None) -> None:
+        """Called with self._weights_lock held. `session`: the pushing trainer's (None: the directory)."""
+        missing = [k for k in self._keys if k not in arrays]
+        if missing:
+            raise BadRequest(f"weight push has no {', '.join(missing[:3])}{' ...' if len(missing) > 3 else ''}")
+        new_session = session is not None and session != self._weights_session
+        if version < self.holder.version and not new_session:
+            raise Refused(grpc.StatusCode.FAILED_PRECONDITION,
+                          f"weight version {version} is older than the server's {self.holder.version}; refused")
+        if new_session:  # a new trainer (e.g. resumed from an older checkpoint): its versions start afresh
+            self.holder.restart()
+            self._weights_session = session
+        leaves = [arrays[key].astype(aval.dtype) for key, aval in zip(self._keys, self._avals)]
+        self.holder.set(jax.tree_util.tree_unflatten(self._treedef, leaves), int(version))
+
+    def _poll_weights(self):
+        """The directory channel: load each new version the trainer writes (weights_dir.py)."""
+        while not self._stopped.wait(self.poll_s):
+            try:
+                version = weights_dir_lib.latest(self.weights_dir)
+                if version > self.holder.version:
+                    _, arrays = weights_dir_lib.read(self.weights_dir, version, self._shapes)
+                    with self._weights_lock:
+                        if version > self.holder.version:
+                            self._set_weights(arrays, version)
+                            log.info("weights version %d from %s", version, self.weights_dir)
+            except Exception as e:  # noqa: BLE001 - a version being replaced, a bucket hiccup: try again
+                log.warning("reading weights from %s: %s: %s", self.weights_dir, type(e).__name__, e)
+
     # ---- handlers --------------------------------------------------------------------
     def _stats(self):
         return {**self.generator.stats(), "pending": self.generator.pending()}
@@ -352,7 +286,8 @@ class RolloutServer:
         unpack(request)  # no fields; but it must be a message of this service
         return pack({"instance": self.instance, "live": self.generator.alive and not self.error(),
                      "error": self.error(), "version": self.holder.version, "fingerprint": self.fingerprint,
-                     "devices": len(self.engine.mesh.devices.flat), "stats": self._stats()})
+                     "devices": len(self.engine.mesh.devices.flat), "stats": self._stats(),
+                     "weights_dir": self.weights_dir})
 
     def _group_request(self, group, arrays) -> generator_lib.GroupRequest:
         gid = field(group, "id", int, "a group")
@@ -369,23 +304,36 @@ class RolloutServer:
     def _submit(self, request: bytes, context) -> bytes:
         meta, arrays = unpack(request)
         session = field(meta, "session", str)
-        reqs = [self._group_request(g, arrays) for g in field(meta, "groups", list)]  # all checked first
+        groups = field(meta, "groups", list)
+        if len(groups) > self.max_submit_samples:
+            raise BadRequest(f"Submit of {len(groups)} groups; at most max_submit_samples={self.max_submit_samples}")
+        reqs = [self._group_request(g, arrays) for g in groups]  # all checked first
+        total = sum(r.num_samples for r in reqs)
+        if total > self.max_submit_samples:
+            raise BadRequest(f"Submit of {total} samples; at most max_submit_samples={self.max_submit_samples}")
         with self._lock:
-            if session != self._session:  # a new trainer: drop the old one's work and results
-                if self._session is not None:
-                    log.info("new trainer session %s: dropping the previous session's groups", session[:8])
-                self._session = session
-                self.generator.reset()
-                self._completed.clear()
-        self.generator.submit(reqs)
+            self._join_session(session)
+            if self.generator.pending() + len(reqs) > self.max_pending:
+                raise Refused(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                              f"{self.generator.pending()} groups queued; at most max_pending={self.max_pending}")
+            self.generator.submit(reqs)
         return pack({"accepted": len(reqs), "instance": self.instance})
 
     def _fetch(self, request: bytes, context) -> bytes:
         meta, _ = unpack(request)
         timeout = field(meta, "timeout", float) if "timeout" in meta else 0.0
         ack = field(meta, "ack", list) if "ack" in meta else []
-        if timeout < 0 or not all(isinstance(g, int) and not isinstance(g, bool) for g in ack):
-            raise BadRequest(f"timeout must be >= 0 and ack a list of group ids, got {timeout!r}, {str(ack)[:60]}")
+        if not 0 <= timeout <= MAX_FETCH_S or not all(isinstance(g, int) and not isinstance(g, bool) for g in ack):
+            raise BadRequest(f"timeout must be in [0, {MAX_FETCH_S}] and ack a list of group ids, "
+                             f"got {timeout!r}, {str(ack)[:60]}")
+        if not self._fetch_slots.acquire(blocking=False):
+            raise Refused(grpc.StatusCode.RESOURCE_EXHAUSTED, "too many concurrent Fetch calls")
+        try:
+            return self._fetch_locked(ack, timeout)
+        finally:
+            self._fetch_slots.release()
+
+    def _fetch_locked(self, ack, timeout) -> bytes:
         deadline = time.monotonic() + timeout
         with self._lock:
             for gid in ack:
@@ -418,144 +366,18 @@ class RolloutServer:
         return pack({"groups": groups, "stats": self._stats(), "error": err, "instance": self.instance}, arrays)
 
     def _push_weights(self, request_iterator, context) -> bytes:
+        session = dict(context.invocation_metadata() or ()).get(SESSION_METADATA, "")
         version, arrays = read_weight_chunks(request_iterator, self._shapes)
-        missing = [k for k in self._keys if k not in arrays]
-        if missing:
-            raise BadRequest(f"weight push has no {', '.join(missing[:3])}{' ...' if len(missing) > 3 else ''}")
-        leaves = [arrays[key].astype(aval.dtype) for key, aval in zip(self._keys, self._avals)]
-        self.holder.set(jax.tree_util.tree_unflatten(self._treedef, leaves), int(version))
+        with self._weights_lock:
+            self._set_weights(arrays, int(version), session)
         return pack({"version": int(version), "instance": self.instance})
 
 
-class RemoteBackend:
-    """The trainer's side: the pipeline backend interface over the gRPC service."""
-
-    RETRYABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED)
-
-    def __init__(self, address: str, *, expected: dict | None = None, reconnect_s: float = 10.0, rpc_timeout_s: float = 10.0):
-        self.address, self.expected = address, expected
-        self.reconnect_s, self.rpc_timeout_s = reconnect_s, rpc_timeout_s
-        self._channel = grpc.insecure_channel(address, options=_OPTIONS)
-        ident = lambda b: b  # noqa: E731 - messages are already bytes
-        self._unary = {name: self._channel.unary_unary(f"/{SERVICE}/{name}", request_serializer=ident,
-                                                       response_deserializer=ident)
-                       for name in ("Health", "Submit", "Fetch")}
-        self._push = self._channel.stream_unary(f"/{SERVICE}/PushWeights", request_serializer=ident,
-                                                response_deserializer=ident)
-        self._outstanding: dict[int, generator_lib.GroupRequest] = {}  # submitted, not yet received
-        self._ack: list[int] = []
-        self._latest = None  # (params, version) to push again after a server restart
-        self._stats = {"busy_s": 0.0, "idle_s": 0.0, "steps": 0, "slot_steps": 0, "tokens": 0, "slots": 1}
-        self.instance, self.devices = None, 0
-        self.session = uuid.uuid4().hex
-        self._connect(deadline=time.monotonic() + reconnect_s)
-
-    def _connect(self, deadline):
-        last = None
-        while True:
-            try:
-                meta, _ = unpack(self._unary["Health"](pack({}), timeout=2.0))
-                break
-            except grpc.RpcError as e:
-                last = e
-                if time.monotonic() >= deadline:
-                    raise RolloutError(f"rollout server {self.address} is not reachable ({e.code().name}: {e.details()}); "
-                                       "start it with `python launch/serve.py --config=... --port=...`") from None
-                time.sleep(0.2)
-        del last
-        if meta["error"]:
-            raise RolloutError(f"rollout server {self.address} reports a failure:\n{meta['error']}")
-        if self.expected is not None and meta["fingerprint"] != json.loads(json.dumps(self.expected)):
-            raise RolloutError(f"rollout server {self.address} runs a different config: server {meta['fingerprint']} "
-                               f"vs trainer {self.expected}")
-        restarted = self.instance is not None and meta["instance"] != self.instance
-        self.instance, self.devices = meta["instance"], int(meta["devices"])
-        if restarted:
-            log.warning("rollout server %s restarted; pushing weights and resubmitting %d groups",
-                        self.address, len(self._outstanding))
-            self._ack = []
-            if self._latest is not None:
-                self._push(weight_chunks(*self._latest), timeout=self._push_timeout(self._latest[0]))
-            if self._outstanding:
-                self._submit_rpc(list(self._outstanding.values()))
-
-    def _call(self, fn):
-        """Run fn(); on a lost connection retry for reconnect_s, then raise RolloutError."""
-        start = time.monotonic()
-        while True:
-            try:
-                return fn()
-            except grpc.RpcError as e:
-                if e.code() not in self.RETRYABLE:
-                    raise RolloutError(f"rollout server {self.address}: {e.code().name}: {e.details()}") from None
-                deadline = start + self.reconnect_s
-                if time.monotonic() >= deadline:
-                    raise RolloutError(
-                        f"rollout server {self.address} lost for {self.reconnect_s:.0f} s ({e.code().name}: {e.details()}); "
-                        "stopping. The last checkpoint is intact: restart launch/serve.py and re-run the same "
-                        "command to resume.") from None
-                log.warning("rollout server %s: %s; reconnecting", self.address, e.code().name)
-                try:
-                    self._connect(deadline)
-                except RolloutError as e2:
-                    raise RolloutError(
-                        f"rollout server {self.address} lost ({e.code().name}) and not back within "
-                        f"{self.reconnect_s:.0f} s; stopping. The last checkpoint is intact: restart launch/serve.py "
-                        f"and re-run the same command to resume. Last attempt: {e2}") from None
-
-    def _push_timeout(self, host_params) -> float:
-        nbytes = sum(np.asarray(x).nbytes for x in jax.tree.leaves(host_params))
-        return self.rpc_timeout_s + nbytes / 100e6  # at least 100 MB/s
-
-    def _submit_rpc(self, requests):
-        meta = {"session": self.session, "groups": [{"id": r.group_id, "num_samples": r.num_samples,
-                                                     "min_version": r.min_version} for r in requests]}
-        arrays = {f"prompt_{r.group_id}": np.asarray(r.prompt, np.int32) for r in requests}
-        self._unary["Submit"](pack(meta, arrays), timeout=self.rpc_timeout_s)
-
-    # ---- backend interface (see pipeline.EmbeddedBackend) -----------------------------
-    def submit(self, requests):
-        for r in requests:
-            self._outstanding[r.group_id] = r
-        self._call(lambda: self._submit_rpc(requests))
-
-    def poll(self, timeout: float):
-        def fetch():
-            return unpack(self._unary["Fetch"](pack({"ack": self._ack, "timeout": timeout}),
-                                               timeout=timeout + self.rpc_timeout_s))
-
-        meta, arrays = self._call(fetch)
-        if meta["error"]:
-            raise RolloutError(f"rollout server {self.address} failed:\n{meta['error']}")
-        self._stats = meta["stats"]
-        self._ack = []
-        out = []
-        for g in meta["groups"]:
-            gid = g["id"]
-            self._ack.append(gid)
-            self._outstanding.pop(gid, None)
-            out.append(generator_lib.GroupResult(gid, *(arrays[f"{n}_{gid}"] for n in RESULT_FIELDS)))
-        return out
-
-    def push_weights(self, params, version: int):
-        host = jax.device_get(params)  # a host copy: the trainer donates its params on the next step
-        self._latest = (host, version)
-        self._call(lambda: self._push(weight_chunks(host, version), timeout=self._push_timeout(host)))
-
-    def check(self):
-        pass  # every poll reports the server's health
-
-    def stats(self) -> dict:
-        return self._stats
-
-    def close(self):
-        self._channel.close()
-
-
 def serve(config, *, host: str = "127.0.0.1", port: int = 0, devices=None, jetstream: bool = False,
-          params: str = "") -> RolloutServer:
-    """Build the engine a config describes and start serving it. Weights arrive by push, or
-    start as version 0 from `params` (an Orbax params checkpoint or a Hugging Face directory)."""
+          params: str = "", token: str = "", weights_dir: str = "") -> RolloutServer:
+    """Build the engine a config describes and start serving it. Weights arrive by push (or from
+    `weights_dir`), or start as version 0 from `params` (an Orbax params checkpoint or a Hugging
+    Face directory)."""
     from rl_scaling import checkpoint, config as config_lib, tasks, train
     from rl_scaling.rollout import pipeline
 
@@ -568,4 +390,4 @@ def serve(config, *, host: str = "127.0.0.1", port: int = 0, devices=None, jetst
         holder.set(train.load_start_params(params, gen_cfg, engine.mesh, abstract), 0)
         log.info("serving the weights in %s as version 0", params)
     return RolloutServer(engine, holder, host=host, port=port, fingerprint=fingerprint(config),
-                         jetstream=jetstream).start()
+                         jetstream=jetstream, token=token, weights_dir=weights_dir).start()

@@ -1,0 +1,206 @@
+"""The rollout service's wire format and shared secret, used by the server (server.py), its
+clients (client.py) and the weight directory channel (weights_dir.py).
+
+Every message is an uncompressed .npz archive (a JSON header `__meta__` plus plain numpy
+arrays). `unpack` never unpickles: it refuses object arrays, compressed members and
+anything else, and a failure is `BadRequest` (answered INVALID_ARGUMENT) naming the fault.
+Weights travel leaf by leaf in chunks of at most CHUNK_BYTES, so no message approaches the
+message-size limit whatever the model's size.
+
+Authentication: every RPC carries the shared secret in the `TOKEN_METADATA` gRPC metadata
+entry; `load_token` reads it from the environment (RL_SCALING_ROLLOUT_TOKEN) or a file.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import math
+import os
+import zipfile
+
+import jax
+import numpy as np
+
+SERVICE = "rl_scaling.Rollout"
+CHUNK_BYTES = 64 << 20
+MAX_MESSAGE = CHUNK_BYTES + (1 << 20)  # one weight chunk and its header; a Fetch reply is much smaller
+RESULT_FIELDS = ("prompt", "tokens", "logprobs", "versions", "lengths", "stopped", "forced")  # GroupResult order
+OPTIONS = [("grpc.max_send_message_length", MAX_MESSAGE), ("grpc.max_receive_message_length", MAX_MESSAGE)]
+TOKEN_ENV = "RL_SCALING_ROLLOUT_TOKEN"
+TOKEN_METADATA = "x-rl-scaling-token"
+
+
+class BadRequest(ValueError):
+    """A malformed request: answered INVALID_ARGUMENT with this message."""
+
+
+def load_token(token_file: str = "") -> str:
+    """The shared secret: the contents of `token_file` if given, else $RL_SCALING_ROLLOUT_TOKEN, else ""."""
+    if token_file:
+        from rl_scaling import paths
+
+        try:
+            token = paths.read_text(token_file).strip()
+        except Exception as e:  # noqa: BLE001 - a missing file locally, a client error on gs://
+            raise ValueError(f"rollout token file {token_file}: {type(e).__name__}: {e}") from e
+        if not token:
+            raise ValueError(f"rollout token file {token_file} is empty")
+        return token
+    return os.environ.get(TOKEN_ENV, "").strip()
+
+
+def pack(meta: dict, arrays: dict | None = None) -> bytes:
+    buf = io.BytesIO()
+    np.savez(buf, __meta__=np.frombuffer(json.dumps(meta).encode(), np.uint8), **(arrays or {}))
+    return buf.getvalue()
+
+
+def _read_member(archive, info):
+    if info.compress_type != zipfile.ZIP_STORED or not info.filename.endswith(".npy"):
+        raise ValueError(f"member {info.filename!r} is not an uncompressed .npy")  # a compressed one could explode
+    with archive.open(info) as f:  # the header first: refuse a shape bigger than the bytes present
+        version = np.lib.format.read_magic(f)
+        if version not in ((1, 0), (2, 0)):
+            raise ValueError(f"member {info.filename!r}: .npy format version {version}")
+        read_header = np.lib.format.read_array_header_1_0 if version == (1, 0) else np.lib.format.read_array_header_2_0
+        shape, _, dtype = read_header(f)
+        if dtype.hasobject or math.prod(shape) * dtype.itemsize > info.file_size:
+            raise ValueError(f"member {info.filename!r}: {dtype} {shape} is not a plain array of its size")
+    with archive.open(info) as f:
+        return np.lib.format.read_array(f, allow_pickle=False)
+
+
+def unpack(blob: bytes):
+    """(meta, arrays) of a `pack` message. Never unpickles; BadRequest names what is wrong."""
+    try:
+        with zipfile.ZipFile(io.BytesIO(blob)) as archive:
+            arrays = {info.filename[:-4]: _read_member(archive, info) for info in archive.infolist()}
+        raw = arrays.pop("__meta__")
+        if raw.dtype != np.uint8 or raw.ndim != 1:
+            raise ValueError(f"__meta__ is {raw.dtype} {raw.shape}, not JSON bytes")
+        meta = json.loads(raw.tobytes().decode())
+    except Exception as e:  # noqa: BLE001 - any failure to parse client bytes is the client's fault
+        raise BadRequest(f"not a message of this service (an uncompressed .npz of plain arrays with a JSON "
+                         f"__meta__): {type(e).__name__}: {e}") from None
+    if not isinstance(meta, dict):
+        raise BadRequest(f"__meta__ must be a JSON object, got {type(meta).__name__}")
+    return meta, arrays
+
+
+def field(obj, name: str, kind, where: str = "the request"):
+    """obj[name], checked to be a `kind` (int and float exclude bool; float must be finite)."""
+    value = obj.get(name) if isinstance(obj, dict) else None
+    if kind is int:
+        ok = isinstance(value, int) and not isinstance(value, bool)
+    elif kind is float:
+        ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    else:
+        ok = isinstance(value, kind)
+    if not ok:
+        raise BadRequest(f"{where}: field {name!r} must be a{'n' if kind is int else ''} {kind.__name__}, "
+                         f"got {str(value)[:60]!r}")
+    return value
+
+
+def check_prompt(tokens, *, max_len: int, vocab_size: int, where: str = "the request") -> np.ndarray:
+    """A prompt as the engine takes it (1-D int32, 1..max_len ids in [0, vocab_size)) or BadRequest."""
+    a = np.asarray(tokens)
+    if a.ndim != 1 or not (np.issubdtype(a.dtype, np.integer) or a.size == 0):
+        raise BadRequest(f"{where}: a prompt is a 1-D array of integer token ids, got {a.dtype} of shape {a.shape}")
+    if not 1 <= a.size <= max_len:
+        raise BadRequest(f"{where}: prompt of {a.size} tokens; this engine takes 1..{max_len}")
+    if a.min() < 0 or a.max() >= vocab_size:
+        raise BadRequest(f"{where}: token ids must be in [0, {vocab_size}), got {a.min()}..{a.max()}")
+    return a.astype(np.int32)
+
+
+def fingerprint(config) -> dict:
+    """What must agree between a trainer and its rollout server."""
+    rc = config.rollout
+    return {"model": {k: v for k, v in config.model.to_dict().items()}, "fp32_lm_head": rc.fp32_lm_head,
+            "task": config.task.name, "max_prompt_len": config.task.max_prompt_len,
+            "max_new_tokens": rc.max_new_tokens, "temperature": rc.temperature,
+            "length_control": {k: rc[k] for k in ("length_control", "think_budget_lo", "think_budget_hi",
+                                                  "interrupt_phrase", "answer_budget")}}
+
+
+def _leaf_keys(tree):
+    leaves, treedef = jax.tree_util.tree_flatten_with_path(tree)
+    return [jax.tree_util.keystr(p) for p, _ in leaves], [x for _, x in leaves], treedef
+
+
+def weight_chunks(params, version: int):
+    """Yield the PushWeights request stream for `params` (host copies are made here)."""
+    keys, leaves, _ = _leaf_keys(params)
+    host = jax.device_get(leaves)
+    for key, x in zip(keys, host):
+        x = np.ascontiguousarray(x)
+        raw = x.reshape(-1).view(np.uint8)
+        n = max(1, -(-raw.size // CHUNK_BYTES))
+        for i in range(n):
+            meta = {"version": version, "key": key, "dtype": str(x.dtype), "shape": list(x.shape), "part": i, "parts": n}
+            yield pack(meta, {"data": raw[i * CHUNK_BYTES:(i + 1) * CHUNK_BYTES]})
+    yield pack({"version": version, "done": True, "leaves": len(keys)})
+
+
+def _chunk_header(meta, expected):
+    """(key, dtype, shape, parts) of one weight chunk, checked (against `expected` {key: shape} if given)."""
+    where = "weight chunk"
+    key = field(meta, "key", str, where)
+    where = f"weight chunk of {key}"
+    try:
+        dtype = jax.numpy.dtype(field(meta, "dtype", str, where))
+    except TypeError as e:
+        raise BadRequest(f"{where}: dtype {meta['dtype']!r}: {e}") from None
+    if not jax.numpy.issubdtype(dtype, jax.numpy.floating):
+        raise BadRequest(f"{where}: weights are floating point, got dtype {dtype}")
+    shape = field(meta, "shape", list, where)
+    if not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape):
+        raise BadRequest(f"{where}: shape {shape} is not a list of sizes")
+    if expected is not None and key not in expected:
+        raise BadRequest(f"{where}: the server's model has no weight {key}")
+    if expected is not None and tuple(shape) != tuple(expected[key]):
+        raise BadRequest(f"weight {key} has shape {tuple(shape)}, the server's model expects {tuple(expected[key])}")
+    parts = field(meta, "parts", int, where)
+    if parts < 1:
+        raise BadRequest(f"{where}: parts={parts}")
+    return key, dtype, tuple(shape), parts
+
+
+def read_weight_chunks(blobs, expected: dict | None = None):
+    """(version, {key: array}) from a PushWeights stream. BadRequest (a ValueError) if a chunk is
+    malformed, out of order or missing, or (with `expected`, {key: shape}) names a weight the
+    model has not or has another shape: checked chunk by chunk, before the bytes pile up."""
+    parts: dict[str, list] = {}
+    header_of: dict[str, tuple] = {}
+    version = None
+    for blob in blobs:
+        meta, arrays = unpack(blob)
+        v = field(meta, "version", int, "weight chunk")
+        if version is not None and v != version:
+            raise BadRequest(f"weight push mixes versions {version} and {v}")
+        version = v
+        if meta.get("done"):
+            leaves = field(meta, "leaves", int, "last weight chunk")
+            if len(parts) != leaves or any(len(parts[k]) != header_of[k][3] for k in parts):
+                raise BadRequest(f"weight push incomplete: {len(parts)} of {leaves} leaves")
+            out = {}
+            for k, (_, dtype, shape, _) in header_of.items():
+                raw = np.concatenate(parts[k])
+                if raw.size != math.prod(shape) * dtype.itemsize:
+                    raise BadRequest(f"weight {k}: {raw.size} bytes for {dtype} {shape}")
+                out[k] = raw.view(dtype).reshape(shape)
+            return version, out
+        header = _chunk_header(meta, expected)
+        key = header[0]
+        if header_of.setdefault(key, header) != header:
+            raise BadRequest(f"weight chunk of {key}: dtype, shape or parts differ from its first chunk")
+        received = parts.setdefault(key, [])
+        if meta.get("part") != len(received) or len(received) >= header[3]:
+            raise BadRequest(f"weight chunk of {key}: part {meta.get('part')!r}, expected {len(received)} of {header[3]}")
+        data = arrays.get("data")
+        if data is None or data.dtype != np.uint8 or data.ndim != 1:
+            raise BadRequest(f"weight chunk of {key}: `data` must be 1-D uint8 bytes")
+        received.append(data)
+    raise BadRequest("weight push ended before its last chunk")
