@@ -26,9 +26,22 @@ Optimizer: AdamW, constant lr 5e-7 after 100 warm-up steps, eps 1e-15, weight de
 Expected:  dry run fits (per-chip HBM well under 95 GiB for both steps). A real run: held-out
            mean@16 on Polaris rising along the paper's sigmoid (A ~0.61, B ~1.9, C_mid ~2.5k GPU-h
            in the paper's GB200 hours; Table 1).
-Reductions: none in shapes. The paper's PipelineRL-8 needs rollout.mode=pipeline (engine on the
-           generator slice via launch/serve.py, --config.rollout.server=HOST:PORT); the recipe
-           default here is synchronous until the pipeline engine supports forced interruption.
+Rollouts:  the paper's PipelineRL-8 (rollout.mode=pipeline, max_staleness 8) with forced
+           interruption in the engine, on 16 engine replicas (launch/serve.py) on the generator
+           slice. On a pod (a shared secret in a file both slices can read; 16 replicas of 4 chips,
+           one per v5p-128 host, each `serve.py` over its host's chips):
+             gcloud compute tpus tpu-vm ssh GEN --worker=all --command="cd rl_scaling && \
+               RL_SCALING_ROLLOUT_TOKEN=$(cat token) python launch/serve.py --config=configs/dense_8b.py \
+               --host=0.0.0.0 --port=50051"
+             gcloud compute tpus tpu-vm ssh TRAIN --worker=all --command="cd rl_scaling && \
+               RL_SCALING_ROLLOUT_TOKEN=$(cat token) python launch/run.py --config=configs/dense_8b.py \
+               --workdir=gs://BUCKET/runs/dense_8b --config.rollout.servers=GEN_W0:50051,...,GEN_W15:50051 \
+               --config.init_checkpoint=PARAMS ..."
+           (GEN_Wi: the generator hosts' internal IPs, `gcloud compute tpus tpu-vm describe GEN`.)
+           Add --config.rollout.weights_dir=gs://BUCKET/runs/dense_8b/weights to the trainer and
+           --weights_dir=the same to serve.py to ship weights through the bucket instead of 16 pushes.
+           --config.rollout.mode=sync runs generation on the trainer slice instead.
+Reductions: none in shapes.
 """
 
 import ml_collections
@@ -59,6 +72,9 @@ def get_config(arg=None):
     rc.think_budget_lo, rc.think_budget_hi, rc.answer_budget = 10240, 12224, 2048
     rc.interrupt_phrase = "Okay, time is up. Let me stop thinking and formulate a final answer now. </think>"
     rc.engine_slots = 64
+    rc.mode, rc.max_staleness = "pipeline", 8  # PipelineRL-8; set rollout.servers to the replicas
+    if rc.dynamic_sampling or config.rl.loss == "reinforce":  # recipes that need synchronous generation
+        rc.mode = "sync"
     rl = config.rl
     rl.grad_accum = 24
     rl.logprob_chunk = 2048

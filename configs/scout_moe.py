@@ -31,7 +31,10 @@ Expected:  dry run fits (per-chip HBM under 95 GiB for the train, decode and pre
            run: held-out mean@16 rising along the paper's Scout curve (A ~0.71, B ~1.65, C_mid ~4.2k
            GB200-hours; Table 1).
 Reductions: none in shapes. Llama-4's chunked attention is a mask here: RoPE layers still compute
-           scores over the whole sequence. PipelineRL-8: see configs/dense_8b.py.
+           scores over the whole sequence.
+Rollouts:  PipelineRL-8 on 8 engine replicas of 8 chips: the commands of configs/dense_8b.py
+           with --config=configs/scout_moe.py, one serve.py per 2 generator hosts (--num_devices=8 on
+           a replica's first host; tensor parallel within the replica), 8 addresses in rollout.servers.
 """
 
 import ml_collections
