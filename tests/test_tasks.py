@@ -66,10 +66,11 @@ def test_stream_resumes_from_its_state():
 def test_jsonl_math_task_runs_end_to_end(tmp_path):
     """A JSONL dataset + a tokenizer.json made here, through the real run loop for 2 steps."""
     import json
+    import re
 
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-    from rl_scaling import train
+    from rl_scaling import tasks, train
     from tests.test_run import fast_config
 
     rows = [{"problem": f"What is {a} + {b}?", "answer": str(a + b)} for a in range(12) for b in range(12)]
@@ -87,4 +88,16 @@ def test_jsonl_math_task_runs_end_to_end(tmp_path):
     config.task.max_prompt_len, config.model.vocab_size = 96, 320
     config.rollout.max_new_tokens = 24
     result = train.train(config, str(tmp_path / "run"))
-    assert result["step"] == 2 and 0.0 <= result["eval/pass_rate"] <= 1.0
+    assert result["step"] == 2
+    # 5 warm-start steps teach a 0.1M-parameter policy no sums: none of the 16 x 2 held-out
+    # samples ends in the right \boxed{} answer.
+    assert result["eval/pass_rate"] == 0.0
+    # ... and the zero is the policy's: the run's verifier passes a completion with the sum
+    # worked out here for each of the same 16 held-out problems, and none off by one.
+    task = tasks.make_task(config.task, config.seed)
+    problems = task.eval_problems(config.eval.num_prompts)
+    assert len(problems) == 16
+    sums = [sum(int(n) for n in re.fullmatch(r"What is (\d+) \+ (\d+)\?", p.problem).groups()) for p in problems]
+    right = [task.reward(f"</think>The answer is \\boxed{{{s}}}.", p) for s, p in zip(sums, problems)]
+    wrong = [task.reward(f"</think>The answer is \\boxed{{{s + 1}}}.", p) for s, p in zip(sums, problems)]
+    assert sum(right) == 16 and sum(wrong) == 0
