@@ -58,6 +58,7 @@ def base_config() -> ml_collections.ConfigDict:
     c.checkpoint_every = 25
     c.log_every = 10
     c.keep_checkpoints = 3
+    c.preemption_grace_s = 60.0  # SIGTERM/SIGINT: finish the step and save within this, else exit at once
     c.init_checkpoint = ""  # Orbax params checkpoint to start RL from; empty = warm start here
 
     # name: arithmetic (synthetic, embedded) or jsonl_math (path: JSONL of {problem, answer};

@@ -8,6 +8,11 @@ only process 0 logs and writes metrics.
 `--dry_run` compiles the config's train and generation steps for its TPU slices
 (config.tpu) on this machine, TPU or not, prints per-chip HBM, FLOPs and time estimates, and
 exits non-zero when a step does not fit (rl_scaling/dry_run.py).
+
+Exit status: 0 done; 75 (EX_TEMPFAIL) stopped by SIGTERM/SIGINT after saving the step it was on
+(re-run to resume; rl_scaling/preemption.py); 128 + N killed by a second signal N, or when the
+save took longer than config.preemption_grace_s; 1 an error (the message names it: another
+trainer holds the workdir, a checkpoint could not be saved, a bad config, ...).
 """
 
 import logging
@@ -35,6 +40,7 @@ def main(argv):
     absl_logging.set_verbosity(absl_logging.WARNING)
     for noisy in ("absl", "jax", "orbax", "grain"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
+    logging.getLogger("rl_scaling").setLevel(logging.INFO)  # resume and fall-back lines (absl lowers the root)
     if _DRY_RUN.value:
         os.environ.setdefault("JAX_PLATFORMS", "cpu")  # compiles for config.tpu's slices; needs no accelerator
         from rl_scaling import dry_run
@@ -46,17 +52,35 @@ def main(argv):
             sys.exit(1)
         return
     from configs import common
-    from rl_scaling import distributed, train  # after flags: jax reads its env at import
+    from rl_scaling import distributed, lock  # after flags: jax reads its env at import
 
     if distributed.initialize() and not distributed.is_main():
         logging.getLogger().setLevel(logging.ERROR)  # process 0 logs for the run
+        logging.getLogger("rl_scaling").setLevel(logging.ERROR)
+    if distributed.is_main():
+        try:  # before the slow imports: a second trainer on this workdir stops within seconds
+            lock.acquire(_WORKDIR.value)
+        except lock.LockHeld as e:
+            print(f"error: {e}", file=sys.stderr)
+            sys.exit(1)
+        except Exception as e:  # noqa: BLE001 - OSError locally; client/network errors on gs://
+            print(f"error: --workdir={_WORKDIR.value} is not writable: {type(e).__name__}: {e}", file=sys.stderr)
+            sys.exit(1)
+    from rl_scaling import checkpoint, preemption, train
 
     deviations = common.recipe_deviations(_CONFIG.value)
     if deviations:
         logging.warning("this run is labelled recipe=%r but differs from it in %s; select a recipe with "
                         "--config=configs/tiny.py:recipe=NAME, and label an ablation with --config.recipe=LABEL "
                         "(the fitter groups seeds by that label)", _CONFIG.value.recipe, ", ".join(deviations))
-    result = train.train(_CONFIG.value, _WORKDIR.value)
+    try:
+        result = train.train(_CONFIG.value, _WORKDIR.value)
+    except preemption.Preempted as e:
+        print(f"preempted: {e}", file=sys.stderr, flush=True)
+        sys.exit(preemption.EXIT_PREEMPTED)
+    except (checkpoint.CheckpointSaveError, lock.LockHeld) as e:
+        print(f"error: {e}", file=sys.stderr, flush=True)
+        sys.exit(1)
     if distributed.is_main():
         print("done:", {k: round(v, 4) if isinstance(v, float) else v for k, v in result.items()})
 

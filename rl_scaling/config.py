@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 from rl_scaling.policy import model as model_lib, presets
 from rl_scaling.rl import losses
 from rl_scaling.rollout import length_control
@@ -21,12 +23,38 @@ def _choice(config, dotted, valid):
         raise ValueError(f"config.{dotted}={config[section][field]!r} is not valid; choose one of {sorted(valid)}")
 
 
+def _numbers(config, prefix="config"):
+    """(dotted name, value) of every int and float field, nested sections included."""
+    for key, value in config.items():
+        name = f"{prefix}.{key}"
+        if hasattr(value, "items"):
+            yield from _numbers(value, name)
+        elif isinstance(value, (int, float)) and not isinstance(value, bool):
+            yield name, value
+
+
+def _at_least(config, bound, *dotted):
+    for name in dotted:
+        section, field = name.split(".") if "." in name else (None, name)
+        value = config[section][field] if section else config[field]
+        if not isinstance(value, (int, float)) or value < bound:
+            raise ValueError(f"config.{name} must be >= {bound}, got {value!r}")
+
+
 def validate(config) -> None:
+    for name, value in _numbers(config):  # first: NaN compares false with every bound below
+        if not math.isfinite(value):
+            raise ValueError(f"{name}={value} must be a finite number")
     _positive(config, "steps", "eval_every", "checkpoint_every", "log_every", "keep_checkpoints")
     _positive(config, "rollout.prompts_per_step", "rollout.samples_per_prompt", "rollout.max_new_tokens",
               "rollout.temperature", "rl.num_minibatches", "rl.temperature", "optim.lr", "optim.grad_clip",
               "eval.num_prompts", "eval.samples_per_prompt", "eval.batch_size", "task.max_prompt_len",
-              "warmstart.batch_size", "warmstart.eval_every", "warmstart.probe_prompts")
+              "warmstart.batch_size", "warmstart.eval_every", "warmstart.probe_prompts", "warmstart.max_steps",
+              "warmstart.lr", "preemption_grace_s", "rollout.reconnect_s")
+    _at_least(config, 0, "optim.eps", "optim.weight_decay", "optim.warmup_steps", "seed")
+    for name in ("optim.b1", "optim.b2"):
+        if not 0.0 <= config.optim[name.split(".")[1]] < 1.0:
+            raise ValueError(f"config.{name}={config.optim[name.split('.')[1]]} must be in [0, 1)")
     _choice(config, "rl.loss", losses.LOSSES)
     _choice(config, "rl.aggregation", losses.AGGREGATIONS)
     _choice(config, "rl.adv_norm", losses.ADV_NORMS)

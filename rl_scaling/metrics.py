@@ -7,6 +7,7 @@ line written so far, whatever kills the run."""
 from __future__ import annotations
 
 import json
+import logging
 import math
 import sys
 import time
@@ -15,6 +16,8 @@ import jax
 from tensorboardX import SummaryWriter, record_writer
 
 from rl_scaling import paths
+
+log = logging.getLogger(__name__)
 
 
 class _GCSEventFile:
@@ -49,23 +52,71 @@ class _GCSEventFiles:
 record_writer.register_writer_factory("gs", _GCSEventFiles())
 
 
+COUNTER_TAGS = {"compute_flops": "compute/flops", "accel_seconds": "compute/accel_seconds", "samples": "compute/samples"}
+ROLLOUT_KEYS = ("truncation_rate", "interruption_rate", "response_len", "pass_rate_train")
+FAMILIES = ("train", "rollout", "eval", "compute", "time", "router")
+COMPUTE_UNIT = 1e9  # eval_vs_compute/*: the TensorBoard step is cumulative training FLOPs / 1e9
+COMPUTE_AXIS_RUN = "compute_axis"  # tb/compute_axis: its own run, so that its steps purge apart
+EVAL_VS_COMPUTE = ("Held-out pass rate against training compute: the step is cumulative model FLOPs / 1e9 "
+                   "(GFLOP, generation + training, evaluation not counted), the x-axis of the sigmoid law.")
+
+
+def tb_tag(key: str) -> str:
+    """The TensorBoard tag of a metrics.jsonl key: train/*, rollout/*, eval/*, compute/*, time/*
+    (router/* and other families as they are)."""
+    if key in COUNTER_TAGS:
+        return COUNTER_TAGS[key]
+    head = key.split("/", 1)[0] if "/" in key else ""
+    if head == "npr" or key in ROLLOUT_KEYS:
+        return "rollout/" + key
+    return key if head else "train/" + key
+
+
+def compute_step(flops: float) -> int:
+    return int(flops // COMPUTE_UNIT)
+
+
+def read_records(path: str) -> list[dict]:
+    """The records of a JSONL file; a torn last line (a kill during a write) is dropped with a
+    warning, any other unreadable line is an error naming the file and line."""
+    lines = paths.read_text(path).splitlines()
+    out = []
+    for i, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            out.append(json.loads(line))
+        except ValueError as e:
+            if i == len(lines):
+                log.warning("%s: dropping a torn last line %d (%r)", path, i, line[:80])
+                continue
+            raise ValueError(f"{path}, line {i}: not JSON ({e}): {line[:80]!r}") from e
+    return out
+
+
 class MetricsWriter:
-    def __init__(self, workdir: str, resume_step: int | None = None):
+    """metrics.jsonl and TensorBoard events of a run. Resuming at `resume_step` drops the
+    records past it (and a torn last line) from metrics.jsonl, and purges TensorBoard of the
+    steps past it, so that no step shows twice. Each TensorBoard scalar is written once a step."""
+
+    def __init__(self, workdir: str, resume_step: int | None = None, resume_flops: float = 0.0):
         self.active = jax.process_index() == 0
         self.path = paths.join(workdir, "metrics.jsonl")
         self.remote = paths.is_gcs(self.path)
         self.lines = []  # on gs:// every line, rewritten whole on each write
+        self.tb_step, self.tb_tags = None, set()
         if not self.active:
             return
         if resume_step is not None and paths.exists(self.path):
             # Drop lines written after the checkpoint we resume from: they will be redone.
-            kept = [line + "\n" for line in paths.read_text(self.path).splitlines()
-                    if line.strip() and json.loads(line)["step"] <= resume_step]
+            kept = [json.dumps(r) + "\n" for r in read_records(self.path) if r["step"] <= resume_step]
             paths.write_text(self.path, "".join(kept))
             self.lines = kept
         elif resume_step is None and paths.exists(self.path):
             paths.remove(self.path)
-        self.tb = SummaryWriter(paths.join(workdir, "tb"))
+        purge = (resume_step + 1, compute_step(resume_flops) + 1) if resume_step is not None else (None, None)
+        self.tb = SummaryWriter(paths.join(workdir, "tb"), purge_step=purge[0])
+        self.tb_compute = SummaryWriter(paths.join(workdir, "tb", COMPUTE_AXIS_RUN), purge_step=purge[1])
 
     def write(self, step: int, metrics: dict) -> None:
         if not self.active:
@@ -75,8 +126,16 @@ class MetricsWriter:
             if isinstance(v, float) and not math.isfinite(v) and not k.startswith("eval/"):
                 raise FloatingPointError(f"metric {k} is {v} at step {step}; stopping. The last checkpoint is "
                                          f"untouched: lower config.optim.lr or check the rewards, then re-run to resume")
-            if not isinstance(v, str):
-                self.tb.add_scalar(k, v, step)
+        if step != self.tb_step:
+            self.tb_step, self.tb_tags = step, set()
+        for k, v in clean.items():
+            tag = tb_tag(k)
+            if not isinstance(v, str) and tag not in self.tb_tags:  # counters come again with an eval record
+                self.tb.add_scalar(tag, v, step)
+                self.tb_tags.add(tag)
+        if "eval/pass_rate" in clean and "compute_flops" in clean:
+            self.tb_compute.add_scalar("eval_vs_compute/pass_rate", clean["eval/pass_rate"],
+                                       compute_step(clean["compute_flops"]), summary_description=EVAL_VS_COMPUTE)
         line = json.dumps({"step": step, **clean}) + "\n"
         if self.remote:
             self.lines.append(line)
@@ -88,10 +147,12 @@ class MetricsWriter:
     def flush(self):
         if self.active:
             self.tb.flush()
+            self.tb_compute.flush()
 
     def close(self):
         if self.active:
             self.tb.close()
+            self.tb_compute.close()
 
 
 class Progress:

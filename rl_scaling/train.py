@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from rl_scaling import checkpoint, compute, config as config_lib, data, distributed, evaluate, metrics as metrics_lib, paths, sharding, tasks
+from rl_scaling import checkpoint, compute, config as config_lib, data, distributed, evaluate, lock as lock_lib, metrics as metrics_lib, paths, preemption, sharding, tasks
 from rl_scaling.policy import hf_io
 from rl_scaling.rl import filters, train_step as ts
 from rl_scaling.rollout import collect, length_control, pipeline
@@ -39,9 +39,23 @@ def prepare_workdir(workdir: str) -> str:
 
 
 def train(config, workdir: str) -> dict:
+    """Train into `workdir`, resuming from its newest usable checkpoint. Process 0 holds the
+    workdir's lock (lock.py) for the whole run; SIGTERM/SIGINT save the current step and raise
+    preemption.Preempted (preemption.py)."""
     config_lib.validate(config)
     pipeline.check_config(config)
     workdir = prepare_workdir(workdir)
+    held = lock_lib.acquire(workdir) if jax.process_index() == 0 else None  # before anything is written
+    preempt = preemption.Preemption(config.preemption_grace_s)
+    try:
+        return _train(config, workdir, held, preempt)
+    finally:
+        preempt.uninstall()
+        if held is not None:
+            held.release()
+
+
+def _train(config, workdir, held, preempt):
     if jax.process_index() == 0:
         paths.write_text(paths.join(workdir, "config.json"), json.dumps(config.to_dict(), indent=1))
     mesh = sharding.make_mesh(dict(config.mesh), pipeline.trainer_devices(config))  # all but an embedded engine's own
@@ -87,7 +101,8 @@ def train(config, workdir: str) -> dict:
         # pipeline mode: replay from before the groups in flight at the checkpoint (regenerated)
         stream.set_state(meta["pipeline"]["stream"] if config.rollout.mode == "pipeline" and meta.get("pipeline")
                          else meta["data"])
-    writer = metrics_lib.MetricsWriter(workdir, resume_step=step if restored else None)
+    writer = metrics_lib.MetricsWriter(workdir, resume_step=step if restored else None,
+                                       resume_flops=meta["compute_flops"])
     progress = metrics_lib.Progress(config.steps, step)
     rl_step = ts.jit_step(ts.rl_step, state_sh, mesh, model_cfg=train_cfg, rl_cfg=config.rl, optimizer=optimizer)
     n_devices = jax.device_count()
@@ -107,6 +122,7 @@ def train(config, workdir: str) -> dict:
     pending = None  # metrics are read one step late so the host never waits on the device
     compile_clock = compute.CompileClock()
     last_eval = {}
+    preempt.install()  # from here a signal saves the step it interrupts
     while step < config.steps:
         step += 1
         t0 = time.time()
@@ -133,8 +149,8 @@ def train(config, workdir: str) -> dict:
         if npr is not None:  # No-Positive-Resampling: prompts that reached the threshold leave the stream
             rollout_metrics.update(npr.update(prompt_tokens[::G], prompt_mask[::G], correct.reshape(P, G)))
 
-        if rollouts is None:  # the sync sampler prefills every row
-            gen_flops, _ = compute.sequence_flops(train_cfg, *generated)
+        if rollouts is None:  # the sync sampler prefills a group's prompt once too (collect.generate)
+            gen_flops, _ = compute.sequence_flops(train_cfg, *generated, group_size=G)
         else:  # the engine prefills a group's prompt once; dropped stale groups were generated too
             gen_flops = sum(compute.sequence_flops(train_cfg, *lens, group_size=G)[0] for lens in (generated, rb.dropped)
                             if len(lens[0]))
@@ -160,16 +176,27 @@ def train(config, workdir: str) -> dict:
         if is_eval or step % config.log_every == 0:
             progress.print(step, {**({"eval/pass_rate": last_eval["pass_rate"]} if is_eval else {}),
                                   "reward_mean": float(rewards.mean())})
-        if is_checkpoint:
+        stop = preempt.agreed()  # a signal: every process saves this step and stops
+        if is_checkpoint or stop:
+            if pending is not None:
+                writer.write(*_drain(pending))
+                pending = None
+            writer.flush()  # TensorBoard then holds every step the checkpoint holds
             meta = {"data": stream.get_state(), **counters, **({"npr": npr.state()} if npr else {}),
                     **({"pipeline": rollouts.resume_state()} if rollouts is not None else {})}
             ckpts.save(step, state, meta)
+        if held is not None:
+            held.refresh()
+        if stop:
+            break
     if pending is not None:
         writer.write(*_drain(pending))
     if rollouts is not None:
         rollouts.close()
     ckpts.close()
     writer.close()
+    if preempt.signum is not None:
+        raise preemption.Preempted(step, preempt.signum)
     return {"step": step, **counters, **{f"eval/{k}": v for k, v in last_eval.items()}}
 
 

@@ -63,7 +63,7 @@ def test_three_step_run_writes_events_metrics_and_checkpoint(tmp_path):
     acc.Reload()
     assert "eval/pass_rate" in acc.Tags()["scalars"]
     assert [e.step for e in acc.Scalars("eval/pass_rate")] == [0, 3]
-    assert [e.step for e in acc.Scalars("loss")] == [1, 2, 3]
+    assert [e.step for e in acc.Scalars("train/loss")] == [1, 2, 3]
     assert os.path.isdir(tmp_path / "checkpoints" / "3")
     assert os.path.isdir(tmp_path / "warmstart" / "params")
 
