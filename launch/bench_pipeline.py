@@ -1,0 +1,90 @@
+"""Disaggregated PipelineRL vs synchronous generation: samples/s as a ratio, in one invocation.
+
+    python launch/bench_pipeline.py [--replicas=2] [--steps=40] [--workdir=/tmp/rl_scaling/bench_pipeline]
+
+Both schemes run the tiny RL loop (tests' sizes: 32 prompts x 8 samples, 16 new tokens, no length
+control) from one shared warm start. `pipeline` is PipelineRL-8 against `--replicas` launch/serve.py
+processes (each its own process and XLA CPU device), the trainer a further process. Each scheme runs
+twice, `steps` and `steps / 4` RL steps, and samples/s is the difference of the two runs' samples
+over the difference of their wall times: start-up, compilation and evals cancel out.
+"""
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+OVERRIDES = ["--config.rollout.length_control=none", "--config.eval_every=100000", "--config.checkpoint_every=100000",
+             "--config.eval.num_prompts=8", "--config.rl.no_positive_resampling=False"]
+
+
+def _env():
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env.update(JAX_PLATFORMS="cpu", PYTHONPATH=ROOT)
+    return env
+
+
+def start_replica(workdir, i):
+    port_file = os.path.join(workdir, f"replica{i}.port")
+    if os.path.exists(port_file):
+        os.remove(port_file)
+    proc = subprocess.Popen([sys.executable, os.path.join(ROOT, "launch", "serve.py"), "--port=0",
+                             f"--port_file={port_file}", "--config.rollout.length_control=none"],
+                            env=_env(), stdout=open(os.path.join(workdir, f"replica{i}.log"), "w"), stderr=subprocess.STDOUT)
+    deadline = time.time() + 180
+    while not os.path.exists(port_file):
+        if proc.poll() is not None or time.time() > deadline:
+            sys.exit(f"launch/serve.py replica {i} did not start; see {workdir}/replica{i}.log")
+        time.sleep(0.2)
+    return proc, f"127.0.0.1:{open(port_file).read().strip()}"
+
+
+def run(workdir, name, steps, extra):
+    out = os.path.join(workdir, f"{name}_{steps}")
+    cmd = [sys.executable, os.path.join(ROOT, "launch", "run.py"), f"--workdir={out}", f"--config.steps={steps}",
+           *OVERRIDES, *extra]
+    t = time.perf_counter()
+    done = subprocess.run(cmd, env=_env(), capture_output=True, text=True)
+    wall = time.perf_counter() - t
+    if done.returncode:
+        sys.exit(f"{name} failed:\n{done.stderr[-3000:]}")
+    rows = [json.loads(line) for line in open(os.path.join(out, "metrics.jsonl"))]
+    return wall, max(r.get("samples", 0) for r in rows)
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--replicas", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=40)
+    parser.add_argument("--workdir", default="/tmp/rl_scaling/bench_pipeline")
+    args = parser.parse_args()
+    os.makedirs(args.workdir, exist_ok=True)
+    warm = os.path.join(args.workdir, "sync_warm")
+    run(args.workdir, "sync_warm", 1, [])  # one warm start, shared by every run below
+    init = [f"--config.init_checkpoint={os.path.join(warm + '_1', 'warmstart', 'params')}"]
+    replicas = [start_replica(args.workdir, i) for i in range(args.replicas)]
+    try:
+        servers = ",".join(a for _, a in replicas)
+        schemes = {"sync": init, "pipeline": init + ["--config.rollout.mode=pipeline", "--config.rollout.max_staleness=8",
+                                                     f"--config.rollout.servers={servers}"]}
+        result = {}
+        for name, extra in schemes.items():
+            short, full = run(args.workdir, name, max(1, args.steps // 4), extra), run(args.workdir, name, args.steps, extra)
+            result[name] = (full[1] - short[1]) / max(full[0] - short[0], 1e-9)
+    finally:
+        for proc, _ in replicas:
+            proc.terminate()
+            proc.wait(30)
+    print(json.dumps({"tool": "bench_pipeline", "replicas": args.replicas, "steps": args.steps,
+                      "sync_samples_s": round(result["sync"], 1), "pipeline_samples_s": round(result["pipeline"], 1),
+                      "pipeline_vs_sync": round(result["pipeline"] / result["sync"], 3),
+                      "cpus": len(os.sched_getaffinity(0)), "loadavg": list(os.getloadavg())}), flush=True)
+
+
+if __name__ == "__main__":
+    main()
