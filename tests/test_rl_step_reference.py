@@ -137,7 +137,7 @@ def ref_adamw(params, grads, mu, nu, count, o):
     g_norm = np.sqrt(sum((g.astype(np.float64) ** 2).sum() for g in grads.values()))
     scale = 1.0 if g_norm < o.grad_clip else o.grad_clip / g_norm
     warmup = max(o.warmup_steps, 1)
-    lr = o.lr * min(count, warmup) / warmup
+    lr = o.lr * min(count + 1, warmup) / warmup
     t = count + 1
     new_params, new_mu, new_nu = {}, {}, {}
     for k in params:
@@ -232,7 +232,7 @@ def run_rl_step(mesh, config, state, batch):
 
 
 # Resumed at update 1000 with a warm-up of 1002 updates: the learning rate changes inside the
-# step (1000/1002, 1001/1002, then 1 x lr). lr 2e-2 moves parameters by ~4e-3 per update
+# step (1001/1002, then 1 x lr). lr 2e-2 moves parameters by ~4e-3 per update
 # (median over tensors of the mean change), 1e4 x the float32 difference seen (~5e-7).
 OPTIM = {"lr": 2e-2, "warmup_steps": 1002}
 START_COUNT = 1000

@@ -81,3 +81,18 @@ def test_layers_one_by_one_equal_the_scan(mesh1, remat):
     np.testing.assert_allclose(loop_m["loss"], scan_m["loss"], rtol=1e-5, atol=1e-7)
     for a, b in zip(jax.tree.leaves(loop_params), jax.tree.leaves(scan_params)):
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
+
+
+def test_first_update_moves_the_params():
+    """Warm-up: lr/W at the first update (never 0), lr from the W-th update on."""
+    import jax.numpy as jnp
+
+    config = tiny.get_config()
+    config.optim.weight_decay = 0.0
+    for warmup, expected in ((0, 1.0), (1, 1.0), (4, 0.25)):
+        config.optim.warmup_steps = warmup
+        opt = ts.make_optimizer(config.optim)
+        p = {"w": jnp.ones(3)}
+        update, _ = opt.update({"w": jnp.full(3, 0.1)}, opt.init(p), p)
+        # Adam's first step is -lr * sign(g) (up to eps), scaled by the warm-up
+        np.testing.assert_allclose(update["w"], -config.optim.lr * expected, rtol=1e-5)

@@ -30,10 +30,10 @@ from rl_scaling.rl import losses
 
 
 def make_optimizer(opt_cfg) -> optax.GradientTransformation:
-    schedule = optax.join_schedules(
-        [optax.linear_schedule(0.0, opt_cfg.lr, max(opt_cfg.warmup_steps, 1)), optax.constant_schedule(opt_cfg.lr)],
-        [max(opt_cfg.warmup_steps, 1)],
-    )
+    # Linear warm-up over `warmup_steps` optimizer updates (not RL steps: PPO-off-policy-k makes
+    # k updates a step), lr/W at the first update and lr from the W-th on; 0 means none.
+    warmup = max(int(opt_cfg.warmup_steps), 1)
+    schedule = lambda count: opt_cfg.lr * jnp.minimum(count + 1, warmup) / warmup  # noqa: E731
     return optax.chain(
         optax.clip_by_global_norm(opt_cfg.grad_clip),
         optax.adamw(schedule, b1=opt_cfg.b1, b2=opt_cfg.b2, eps=opt_cfg.eps, weight_decay=opt_cfg.weight_decay),
