@@ -1,18 +1,27 @@
-"""Speed of the sampler and the RL step on this machine, as ratios, not absolute claims.
+"""Speed of the sampler, the RL step and the train step, as ratios to peers measured in the same run.
 
-    python launch/bench.py [--dims=tiny,small,medium] [--hf]
+    python launch/bench.py [--presets=tiny,small] [--cases=sampler,rl,train]
+    python launch/bench.py --vs_tunix --rounds=5 [--presets=tiny,small] [--cases=sampler,rl]
 
-For each model size it prints sampler tokens/s (batch 64, 64 new tokens, no early
-stop), the RL step's samples/s and tokens/s (256 samples = 32 prompts x 8; train step
-alone, and generation + train), and the train step's model FLOP/s as a fraction of the
-machine's matmul FLOP/s measured in the same process. With --hf it also runs Hugging
-Face transformers' `generate` on a LlamaForCausalLM of the same dims, in the same
-process, and prints our sampler's speed as a ratio to it.
+Presets are the peer baselines' (`../shared/peers`): tiny = 2 layers, d 64, 4 heads, 2 kv heads,
+ffn 256, vocab 32; small = 4 layers, d 256, 8 heads, 4 kv heads, ffn 1024, vocab 512; untied,
+RMSNorm eps 1e-6, RoPE theta 1e6, float32, 2 threads. Cases, each printed as one JSON line:
+  sampler: batch 64 random prompts of 16 tokens, 64 new tokens (no early stop: no stop token),
+           temperature 1 over the full vocabulary, log-probs returned; tokens/s of a whole call.
+  rl:      one RL step of 32 prompts x 8 samples (prompt 16, exactly 64 new tokens), generation
+           with the prompt prefilled once per group, a host-side toy reward (share of token 3, as
+           the tunix peer's), then the tiny config's CISPO update (one optimizer step); samples/s.
+  train:   the update alone on those 256 sequences: model FLOP/s (compute.py's count, causal
+           attention) as a fraction of the jax float32 matmul FLOP/s measured in this process,
+           and the same count with full (uncausal) attention next to XLA's cost_analysis of the
+           jitted step, which counts what is computed (elementwise work and the optimizer too).
+Each figure is the median of --reps timed calls after --warmup untimed ones.
 
-Sizes: tiny = configs/tiny.py; small = 2 layers, d 64; medium = 4 layers, d 256 (the
-dims at which the project compares itself with other JAX RL libraries).
+--vs_tunix alternates this script's process with the tunix peer's (`tunix_sampler.py`,
+`tunix_grpo.py --beta 0`, run with /tmp/peers/tunix-venv/bin/python) --rounds times per case and
+prints the medians and the per-pair ratios (ours / tunix).
 
-    python launch/bench.py --dims= --modes=sync,ppo8,pipeline8,remote8 [--steps=64] [--repeats=3]
+    python launch/bench.py --presets= --modes=sync,ppo8,pipeline8,remote8 [--steps=64] [--repeats=3]
 
 runs the tiny RL loop (launch/run.py's `train`, after one shared warm start) for each
 off-policy scheme, each in a fresh process, and prints samples/s as a ratio to `sync` from
@@ -25,11 +34,22 @@ on loopback). The first quarter of the steps (compilation) is not timed.
 """
 
 import argparse
-import dataclasses
+import json
 import os
+import subprocess
 import sys
 import time
 
+
+def _pin_threads(n=2):
+    """Two threads, as the peers pin them: CPU affinity (XLA sizes its pool from it)."""
+    try:
+        os.sched_setaffinity(0, sorted(os.sched_getaffinity(0))[:n])
+    except (AttributeError, OSError):
+        pass
+
+
+_pin_threads()
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
@@ -38,118 +58,213 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 from configs import tiny  # noqa: E402
-from rl_scaling import config as config_lib, sharding  # noqa: E402
+from rl_scaling import compute, sharding  # noqa: E402
 from rl_scaling.policy import model as model_lib  # noqa: E402
 from rl_scaling.rl import train_step as ts  # noqa: E402
 from rl_scaling.rollout import sampler  # noqa: E402
 
 PROMPT_LEN, NEW_TOKENS, GEN_BATCH, PROMPTS, G = 16, 64, 64, 32, 8
+PEERS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "..", "shared", "peers")
+TUNIX_PYTHON = "/tmp/peers/tunix-venv/bin/python"
+PRESETS = {  # the peers' presets (layers, d_model, heads, kv_heads, ffn, vocab)
+    "tiny": (2, 64, 4, 2, 256, 32),
+    "small": (4, 256, 8, 4, 1024, 512),
+}
+TOY_TOKEN = 3  # the tunix peer's toy reward: the share of completion tokens equal to 3
 
 
-def sizes():
-    base = config_lib.model_config(tiny.get_config())
-    return {
-        "tiny": base,
-        "small": dataclasses.replace(base, vocab_size=256, d_model=64, n_layers=2, n_heads=4, n_kv_heads=4,
-                                     head_dim=16, mlp_dim=256),
-        "medium": dataclasses.replace(base, vocab_size=256, d_model=256, n_layers=4, n_heads=8, n_kv_heads=8,
-                                      head_dim=32, mlp_dim=1024),
-    }
+def preset_config(name):
+    L, D, N, K, F, V = PRESETS[name]
+    return model_lib.ModelConfig(vocab_size=V, d_model=D, n_layers=L, n_heads=N, n_kv_heads=K, head_dim=D // N,
+                                 mlp_dim=F, rope_theta=1e6, norm_eps=1e-6, scan_layers=False)
 
 
-def best_time(fn, repeats=5):
-    jax.block_until_ready(fn())  # compile + warm up
+def median_time(fn, reps, warmup):
+    for _ in range(warmup):
+        jax.block_until_ready(fn())
     times = []
-    for _ in range(repeats):
+    for _ in range(reps):
         t = time.perf_counter()
         jax.block_until_ready(fn())
         times.append(time.perf_counter() - t)
-    return min(times)
+    return float(np.median(times)), times
 
 
-def matmul_flops_per_s():
+def matmul_flops_per_s(reps=7):
+    """jax float32 square matmul FLOP/s (2 n^3), median of reps, best size: the peers' MFU denominator."""
     best = 0.0
-    for n in (256, 512, 1024):
+    for n in (1024, 2048):
         a = jnp.ones((n, n), jnp.float32)
         f = jax.jit(lambda x: x @ x)
-        best = max(best, 2 * n**3 / best_time(lambda: f(a), 10))
+        best = max(best, 2 * n**3 / median_time(lambda: f(a), reps, 2)[0])
     return best
 
 
-def bench_size(name, cfg, peak):
+def _setup(cfg):
     mesh = sharding.make_mesh({"fsdp": 1}, devices=jax.devices()[:1])
-    rl_cfg = tiny.get_config().rl
-    opt = ts.make_optimizer(tiny.get_config().optim)
+    config = tiny.get_config()
+    opt = ts.make_optimizer(config.optim)
     state_sh = ts.state_shardings(cfg, opt, mesh)
     state = ts.init_state(cfg, opt, jax.random.key(0), mesh, state_sh)
+    return mesh, config, opt, state_sh, state
+
+
+def bench_sampler(cfg, reps, warmup):
+    _, _, _, _, state = _setup(cfg)
     rng = np.random.default_rng(0)
-    prompts = rng.integers(5, cfg.vocab_size, size=(GEN_BATCH, PROMPT_LEN)).astype(np.int32)
+    prompts = rng.integers(2, cfg.vocab_size, size=(GEN_BATCH, PROMPT_LEN)).astype(np.int32)
     mask = np.ones_like(prompts, bool)
-    gen = lambda: sampler.sample(state["params"], prompts, mask, jax.random.key(1), cfg=cfg,  # noqa: E731
-                                 max_new_tokens=NEW_TOKENS)
-    t_gen = best_time(gen)
-    sampler_tps = GEN_BATCH * NEW_TOKENS / t_gen
+    keys = iter(jax.random.split(jax.random.key(1), reps + warmup))
 
+    def gen():
+        out = sampler.sample(state["params"], prompts, mask, next(keys), cfg=cfg, max_new_tokens=NEW_TOKENS)
+        return out.tokens_BT, out.logprobs_BT
+
+    t, times = median_time(gen, reps, warmup)
+    n = GEN_BATCH * NEW_TOKENS
+    return {"tok_s_median": n / t, "tok_s_min": n / max(times), "tok_s_max": n / min(times),
+            "batch": GEN_BATCH, "new_tokens": NEW_TOKENS}
+
+
+def _rl_parts(cfg):
+    mesh, config, opt, state_sh, state = _setup(cfg)
     B, L = PROMPTS * G, PROMPT_LEN + NEW_TOKENS
-    rl_prompts = rng.integers(5, cfg.vocab_size, size=(B, PROMPT_LEN)).astype(np.int32)
-    rl_gen = lambda p: sampler.sample(p, rl_prompts, np.ones_like(rl_prompts, bool), jax.random.key(2),  # noqa: E731
-                                      cfg=cfg, max_new_tokens=NEW_TOKENS)
-    out = rl_gen(state["params"])
-    tokens = np.concatenate([rl_prompts, np.asarray(out.tokens_BT)], 1)
-    loss_mask = np.concatenate([np.zeros((B, PROMPT_LEN)), np.ones((B, NEW_TOKENS))], 1).astype(np.float32)
-    old_logp = np.concatenate([np.zeros((B, PROMPT_LEN)), np.asarray(out.logprobs_BT)], 1).astype(np.float32)
-    batch = {"tokens": tokens, "token_mask": np.ones((B, L), bool), "loss_mask": loss_mask, "old_logp": old_logp,
-             "rewards": rng.integers(0, 2, size=(PROMPTS, G)).astype(np.float32)}
-    step = ts.jit_step(ts.rl_step, state_sh, mesh, model_cfg=cfg, rl_cfg=rl_cfg, optimizer=opt)
-    holder = {"state": state}
+    rng = np.random.default_rng(0)
+    step = ts.jit_step(ts.rl_step, state_sh, mesh, model_cfg=cfg, rl_cfg=config.rl, optimizer=opt)
+    holder = {"state": state, "key": jax.random.key(2)}
+    loss_pad = np.zeros((B, PROMPT_LEN), np.float32)
 
-    def train_only():
-        holder["state"], m = step(holder["state"], batch)
-        return m
+    def one_step():
+        prompts = rng.integers(2, cfg.vocab_size, size=(PROMPTS, PROMPT_LEN)).astype(np.int32)
+        holder["key"], key = jax.random.split(holder["key"])
+        out = sampler.sample(holder["state"]["params"], prompts, np.ones_like(prompts, bool), key, cfg=cfg,
+                             max_new_tokens=NEW_TOKENS, group_size=G)
+        tokens_BT, logprobs_BT = np.asarray(out.tokens_BT), np.asarray(out.logprobs_BT)
+        rewards = (tokens_BT == TOY_TOKEN).mean(1).astype(np.float32)  # host-side reward, per sample
+        batch = {"tokens": np.concatenate([np.repeat(prompts, G, 0), tokens_BT], 1),
+                 "token_mask": np.ones((B, L), bool),
+                 "loss_mask": np.concatenate([loss_pad, np.ones((B, NEW_TOKENS), np.float32)], 1),
+                 "old_logp": np.concatenate([loss_pad, logprobs_BT], 1),
+                 "rewards": rewards.reshape(PROMPTS, G)}
+        holder["state"], metrics = step(holder["state"], batch)
+        return batch, metrics
 
-    def gen_and_train():
-        jax.block_until_ready(rl_gen(holder["state"]["params"]))
-        return train_only()
-
-    t_train = best_time(train_only)
-    t_both = best_time(gen_and_train, 3)
-    n = model_lib.compute_params(cfg)
-    model_flops = 6.0 * n * B * L / t_train
-    print(f"[{name}] layers={cfg.n_layers} d={cfg.d_model} params(matmul)={n:,}")
-    print(f"  sampler: {sampler_tps:,.0f} tokens/s (batch {GEN_BATCH}, {NEW_TOKENS} new tokens)")
-    print(f"  RL train step: {B / t_train:,.1f} samples/s, {B * L / t_train:,.0f} tokens/s")
-    print(f"  RL step incl. generation: {B / t_both:,.1f} samples/s")
-    print(f"  train step model FLOP/s: {model_flops / 1e9:.1f} G = {model_flops / peak:.2f} of measured matmul peak")
-    return sampler_tps
+    return step, holder, one_step
 
 
-def hf_sampler_tps(cfg):
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    hf = LlamaForCausalLM(LlamaConfig(vocab_size=cfg.vocab_size, hidden_size=cfg.d_model,
-                                      intermediate_size=cfg.mlp_dim, num_hidden_layers=cfg.n_layers,
-                                      num_attention_heads=cfg.n_heads, num_key_value_heads=cfg.n_kv_heads,
-                                      head_dim=cfg.head_dim, max_position_embeddings=256)).eval()
-    ids = torch.randint(5, cfg.vocab_size, (GEN_BATCH, PROMPT_LEN))
-    kw = dict(max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS, do_sample=True, pad_token_id=0)
-    with torch.no_grad():
-        hf.generate(ids, **kw)
-        best = min(_timed(lambda: hf.generate(ids, **kw)) for _ in range(3))
-    return GEN_BATCH * NEW_TOKENS / best
+def bench_rl(cfg, reps, warmup):
+    _, _, one_step = _rl_parts(cfg)
+    t, times = median_time(lambda: one_step()[1], reps, warmup)
+    n = PROMPTS * G
+    return {"samples_s_median": n / t, "samples_s_min": n / max(times), "samples_s_max": n / min(times),
+            "step_s_median": t, "prompts": PROMPTS, "group": G, "new_tokens": NEW_TOKENS}
 
 
-def _timed(fn):
-    t = time.perf_counter()
-    fn()
-    return time.perf_counter() - t
+def bench_train(cfg, reps, warmup, peak):
+    step, holder, one_step = _rl_parts(cfg)
+    batch, _ = one_step()
+    t, _ = median_time(lambda: step_update(step, holder, batch), reps, warmup)
+    B, L = batch["tokens"].shape
+    lens = np.full(B, L, np.float64)
+    # compute.py: causal attention over the L-1 positions the trainer feeds.
+    _, model_flops = compute.sequence_flops(cfg, np.zeros(B), lens - 1)
+    full_attn = 3.0 * compute.forward_flops(cfg, B * (L - 1), B * (L - 1) ** 2)  # every score block computed
+    xla_flops = _cost_flops(step, holder["state"], batch)
+    return {"train_s_median": t, "model_gflop_s": model_flops / t / 1e9, "peak_gflop_s": peak / 1e9,
+            "frac_of_peak": model_flops / t / peak, "model_flops_causal": model_flops,
+            "model_flops_full_attention": full_attn, "xla_flops": xla_flops,
+            "xla_vs_full_attention": xla_flops / full_attn if xla_flops else None}
+
+
+def step_update(step, holder, batch):
+    holder["state"], metrics = step(holder["state"], batch)
+    return metrics
+
+
+def _cost_flops(step, state, batch):
+    cost = step.lower(state, batch).compile().cost_analysis()
+    cost = cost[0] if isinstance(cost, (list, tuple)) else cost
+    return float(cost.get("flops", 0.0)) if cost else None
+
+
+def run_cases(presets, cases, reps, warmup):
+    peak = matmul_flops_per_s() if "train" in cases else None
+    for name in presets:
+        cfg = preset_config(name)
+        for case in cases:
+            if case == "sampler":
+                res = bench_sampler(cfg, reps, warmup)
+            elif case == "rl":
+                res = bench_rl(cfg, reps, warmup)
+            elif case == "train":
+                res = bench_train(cfg, reps, warmup, peak)
+            else:
+                sys.exit(f"--cases: unknown case {case!r}; valid: sampler, rl, train")
+            res = {"tool": "rl_scaling", "case": case, "preset": name,
+                   "params_matmul": model_lib.compute_params(cfg), "threads": len(os.sched_getaffinity(0)),
+                   "reps": reps, "warmup": warmup, **{k: _round(v) for k, v in res.items()},
+                   "loadavg": list(os.getloadavg())}
+            print(json.dumps(res), flush=True)
+
+
+def _round(v):
+    return round(v, 4) if isinstance(v, float) and abs(v) < 1e6 else v
+
+
+def _last_json(cmd, env=None):
+    out = subprocess.run(cmd, capture_output=True, text=True, env=env)
+    lines = [ln for ln in out.stdout.splitlines() if ln.startswith("{")]
+    if out.returncode or not lines:
+        sys.exit(f"{' '.join(cmd)} failed ({out.returncode}):\n{out.stderr[-3000:]}")
+    return json.loads(lines[-1])
+
+
+def vs_tunix(presets, cases, rounds, reps, warmup):
+    """Alternate our process and tunix's, `rounds` times per case; medians and per-pair ratios."""
+    ours_key = {"sampler": "tok_s_median", "rl": "samples_s_median"}
+    peer = {"sampler": ("tunix_sampler.py", [f"--batch={GEN_BATCH}", f"--reps={reps}", f"--warmup={warmup}"],
+                        "tok_s_median"),
+            "rl": ("tunix_grpo.py", [f"--prompts={PROMPTS}", f"--group={G}", "--beta=0"], "samples_s_median")}
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    summary = []
+    for name in presets:
+        for case in cases:
+            script, flags, key = peer[case]
+            if case == "rl" and name == "small":
+                flags = flags + ["--steps=3"]  # ~10 s a tunix step at small
+            ours, theirs = [], []
+            for r in range(rounds):
+                mine = _last_json([sys.executable, os.path.abspath(__file__), f"--presets={name}", f"--cases={case}",
+                                   f"--reps={reps}", f"--warmup={warmup}"], env)
+                ours.append(mine[ours_key[case]])
+                tx = _last_json([TUNIX_PYTHON, os.path.join(PEERS, script), f"--preset={name}",
+                                 f"--prompt_len={PROMPT_LEN}", f"--new_tokens={NEW_TOKENS}", "--threads=2", *flags], env)
+                theirs.append(tx[key])
+                print(f"round {r + 1} {case} {name}: ours {ours[-1]:.1f}, tunix {theirs[-1]:.1f}, "
+                      f"ratio {ours[-1] / theirs[-1]:.2f}", file=sys.stderr, flush=True)
+            pairs = [a / b for a, b in zip(ours, theirs)]
+            res = {"tool": "rl_scaling_vs_tunix", "case": case, "preset": name, "rounds": rounds,
+                   "unit": "tok/s" if case == "sampler" else "samples/s",
+                   "ours_median": _round(float(np.median(ours))), "tunix_median": _round(float(np.median(theirs))),
+                   "ratio_of_medians": _round(float(np.median(ours) / np.median(theirs))),
+                   "pair_ratios": [round(p, 3) for p in pairs], "pair_ratio_median": round(float(np.median(pairs)), 3),
+                   "ours": [round(x, 1) for x in ours], "tunix": [round(x, 1) for x in theirs]}
+            print(json.dumps(res), flush=True)
+            summary.append(res)
+    print(f"\n{'case':<8} {'preset':<6} {'ours':>10} {'tunix':>10} {'ratio':>6}  per-pair ratios", file=sys.stderr)
+    for s in summary:
+        print(f"{s['case']:<8} {s['preset']:<6} {s['ours_median']:>10.1f} {s['tunix_median']:>10.1f} "
+              f"{s['ratio_of_medians']:>5.2f}x  {s['pair_ratios']}", file=sys.stderr)
 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--dims", default="tiny,small,medium")
-    parser.add_argument("--hf", action="store_true", help="also time transformers' generate at the same dims")
+    parser.add_argument("--presets", default="tiny,small")
+    parser.add_argument("--cases", default="sampler,rl,train")
+    parser.add_argument("--reps", type=int, default=5, help="timed calls per case (median reported)")
+    parser.add_argument("--warmup", type=int, default=2, help="untimed calls first (compile)")
+    parser.add_argument("--vs_tunix", action="store_true", help="alternate our process with the tunix peer's")
+    parser.add_argument("--rounds", type=int, default=5, help="processes of each side for --vs_tunix")
     parser.add_argument("--modes", default="", help="off-policy schemes to compare on the tiny RL loop: "
                         "sync,ppo8,pipeline8,remote8 (empty: skip)")
     parser.add_argument("--steps", type=int, default=64, help="RL steps per scheme for --modes (ppo8: steps/8)")
@@ -160,24 +275,20 @@ def main():
     parser.add_argument("--json", default="", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.one_mode:
-        import json
-
         result = run_one_mode(args.one_mode, args.steps, os.path.join(args.workdir, args.one_mode), args.init_checkpoint)
         with open(args.json, "w") as f:
             json.dump(result, f)
         return
     if args.modes:
         bench_modes(args.modes.split(","), args.steps, args.workdir, args.init_checkpoint, args.repeats)
-    peak = matmul_flops_per_s()
-    print(f"machine: {jax.devices()[0].platform}, {os.cpu_count()} cores; matmul {peak / 1e9:.1f} GFLOP/s (float32)")
-    all_sizes = sizes()
-    for name in filter(None, args.dims.split(",")):
-        if name not in all_sizes:
-            sys.exit(f"--dims: unknown size {name!r}; valid: {', '.join(all_sizes)}")
-        tps = bench_size(name, all_sizes[name], peak)
-        if args.hf:
-            ref = hf_sampler_tps(all_sizes[name])
-            print(f"  transformers generate: {ref:,.0f} tokens/s -> ours/theirs = {tps / ref:.1f}x")
+    presets, cases = list(filter(None, args.presets.split(","))), list(filter(None, args.cases.split(",")))
+    for name in presets:
+        if name not in PRESETS:
+            sys.exit(f"--presets: unknown preset {name!r}; valid: {', '.join(PRESETS)}")
+    if args.vs_tunix:
+        vs_tunix(presets, [c for c in cases if c != "train"], args.rounds, args.reps, args.warmup)
+    elif presets:
+        run_cases(presets, cases, args.reps, args.warmup)
 
 
 MODES = {  # scheme -> (config overrides, XLA CPU devices in the trainer's process)

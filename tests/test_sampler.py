@@ -112,3 +112,15 @@ def test_sharded_sampling_equals_single_device(monkeypatch):
     np.testing.assert_allclose(sharded[2].logprobs_BT, single[2].logprobs_BT, atol=1e-5)
     np.testing.assert_array_equal(sharded[4], single[4])
 
+
+
+def test_group_prefill_equals_repeated_prompts(tiny_params):
+    """group_size=G prefills each prompt once and shares its cache: the same tokens and log-probs
+    as G copies of every prompt."""
+    tokens, mask = _prompts(B=3)
+    kw = dict(cfg=TINY, max_new_tokens=8, stop_tokens=(2,), pad_id=0)
+    rep = sampler.sample(tiny_params, np.repeat(tokens, 4, 0), np.repeat(mask, 4, 0), jax.random.key(5), **kw)
+    shared = sampler.sample(tiny_params, tokens, mask, jax.random.key(5), group_size=4, **kw)
+    np.testing.assert_array_equal(np.asarray(shared.tokens_BT), np.asarray(rep.tokens_BT))
+    np.testing.assert_array_equal(np.asarray(shared.lengths_B), np.asarray(rep.lengths_B))
+    np.testing.assert_allclose(np.asarray(shared.logprobs_BT), np.asarray(rep.logprobs_BT), atol=1e-5)

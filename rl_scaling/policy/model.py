@@ -197,12 +197,25 @@ class Attention(nn.Module):
 
 
 def _attend(q_BTKGH, k_BKSH, v_BKSH, mask_BTS, dtype):
-    """Softmax attention of T queries over S keys; scores and softmax in float32."""
-    scores = jnp.einsum("btkgh,bksh->bkgts", q_BTKGH, k_BKSH, preferred_element_type=jnp.float32)
-    scores = scores * (q_BTKGH.shape[-1] ** -0.5)
+    """Softmax attention of T queries over S keys; scores and softmax in float32.
+
+    With a cache (decode, prefill) the queries of a kv head are one [G*T, H] matrix, so both
+    matmuls are plain batched matmuls over (B, K) whose outputs need no transpose: XLA:CPU
+    runs a decode step's probs x V that way ~5x faster than with the (t, g) output layout."""
+    B, T, K, G, H = q_BTKGH.shape
+    if T == k_BKSH.shape[2] and T > 1:  # training: [T, T] score blocks per head
+        scores = jnp.einsum("btkgh,bksh->bkgts", q_BTKGH, k_BKSH, preferred_element_type=jnp.float32)
+        scores = scores * (H ** -0.5)
+        scores = jnp.where(mask_BTS[:, None, None], scores, jnp.finfo(jnp.float32).min)
+        probs = jax.nn.softmax(scores, axis=-1).astype(dtype)
+        return jnp.einsum("bkgts,bksh->btkgh", probs, v_BKSH)
+    q_BKQH = q_BTKGH.transpose(0, 2, 3, 1, 4).reshape(B, K, G * T, H)  # Q = (g, t)
+    scores = jnp.einsum("bkqh,bksh->bkqs", q_BKQH, k_BKSH, preferred_element_type=jnp.float32)
+    scores = scores.reshape(B, K, G, T, -1) * (H ** -0.5)
     scores = jnp.where(mask_BTS[:, None, None], scores, jnp.finfo(jnp.float32).min)
-    probs = jax.nn.softmax(scores, axis=-1).astype(dtype)
-    return jnp.einsum("bkgts,bksh->btkgh", probs, v_BKSH)
+    probs = jax.nn.softmax(scores, axis=-1).astype(dtype).reshape(B, K, G * T, -1)
+    out_BKQH = jnp.einsum("bkqs,bksh->bkqh", probs, v_BKSH)
+    return out_BKQH.reshape(B, K, G, T, H).transpose(0, 3, 1, 2, 4)
 
 
 def _l2_norm(x, eps):

@@ -14,26 +14,35 @@ from rl_scaling.rollout import sampler
 
 def generate(params, gen_cfg, task, problems, samples_per_prompt, rng, *, max_prompt_len, max_new_tokens,
              temperature, interrupt=None):
-    """Sample `samples_per_prompt` completions for each problem; returns host arrays [P*G, ...]."""
-    tok = task.tokenizer
-    prompts = [p.prompt for p in problems for _ in range(samples_per_prompt)]
-    prompt_tokens, prompt_mask = data.encode_prompts(tok, prompts, max_prompt_len)
+    """Sample `samples_per_prompt` completions for each problem; returns host arrays [P*G, ...].
+    Each prompt is prefilled once and its KV cache shared by its G samples."""
+    tok, G = task.tokenizer, samples_per_prompt
+    group_tokens, group_mask = data.encode_prompts(tok, [p.prompt for p in problems], max_prompt_len)
+    prompt_tokens, prompt_mask = np.repeat(group_tokens, G, 0), np.repeat(group_mask, G, 0)
     kwargs = {}
     if interrupt is not None:  # (think_budget_B, phrase token ids, answer budget)
         kwargs = dict(think_budget_B=interrupt[0], interrupt_tokens=interrupt[1], answer_budget=interrupt[2],
                       think_end_id=tok.think_end_id)
     # Params on several devices: rows split over the data axes (each process feeds its own) and
-    # the sampler traced under the mesh; every process gets all results.
-    mesh = distributed.row_mesh(params, len(prompts))
-    dev_tokens, dev_mask, dev_rng, kwargs = distributed.shard_rows((prompt_tokens, prompt_mask, rng, kwargs), mesh)
+    # the sampler traced under the mesh; every process gets all results. The shared prefill
+    # needs the prompts themselves to split over the same axes.
+    mesh = distributed.row_mesh(params, len(problems) * G)
+    group = G if mesh is None or len(problems) % _row_shards(mesh) == 0 else 1
+    fed = (group_tokens, group_mask) if group > 1 else (prompt_tokens, prompt_mask)
+    dev_tokens, dev_mask, dev_rng, kwargs = distributed.shard_rows((*fed, rng, kwargs), mesh)
     with sharding.tracing_mesh(mesh):
         out = sampler.sample(params, dev_tokens, dev_mask, dev_rng, cfg=gen_cfg, max_new_tokens=max_new_tokens,
-                             temperature=temperature, stop_tokens=(tok.eos_id,), pad_id=tok.pad_id, **kwargs)
+                             temperature=temperature, stop_tokens=(tok.eos_id,), pad_id=tok.pad_id,
+                             group_size=group, **kwargs)
     out = distributed.to_host(out)
     responses = [tok.decode(row[:n]) for row, n in zip(out.tokens_BT, out.lengths_B)]
-    rewards = np.array([task.reward(r, problems[i // samples_per_prompt]) for i, r in enumerate(responses)],
-                       np.float32)
+    rewards = np.array([task.reward(r, problems[i // G]) for i, r in enumerate(responses)], np.float32)
     return prompt_tokens, prompt_mask, out, responses, rewards
+
+
+def _row_shards(mesh) -> int:
+    spec = sharding.batch_sharding(mesh, 1).spec[0]
+    return int(np.prod([mesh.shape[a] for a in (spec if isinstance(spec, tuple) else (spec,)) if a]))
 
 
 def rl_batch(prompt_tokens, prompt_mask, out, rewards, P, G):

@@ -24,6 +24,24 @@ import jax.numpy as jnp
 from rl_scaling.policy import model as model_lib
 
 
+def _unrolled_threefry_on_cpu():
+    """XLA:CPU gets jax's threefry hash as a rolled 5-iteration loop (smaller code); each decode
+    step's Gumbel noise then pays that loop's per-iteration overhead, ~25% of a small model's
+    sampling time. The unrolled lowering (jax's own, used on other platforms) computes the
+    same bits, so sampled tokens do not change."""
+    try:
+        from jax._src.interpreters import mlir
+        from jax._src.random import threefry2x32
+    except ImportError:  # another jax layout: keep its default
+        return
+    rule = getattr(threefry2x32, "_threefry2x32_lowering_rule", None)
+    if rule is not None:
+        mlir.register_lowering(threefry2x32.threefry2x32_p, rule, platform="cpu")
+
+
+_unrolled_threefry_on_cpu()
+
+
 class Samples(NamedTuple):
     tokens_BT: jax.Array  # generated tokens, pad after the end
     logprobs_BT: jax.Array  # float32 log pi_gen(token), 0 after the end
@@ -47,19 +65,26 @@ def categorical(key, logits_BV):
 @functools.partial(
     jax.jit,
     static_argnames=("cfg", "max_new_tokens", "stop_tokens", "pad_id", "interrupt_tokens",
-                     "think_end_id", "answer_budget"),
+                     "think_end_id", "answer_budget", "group_size"),
 )
 def sample(params, prompt_BP, prompt_mask_BP, rng, *, cfg: model_lib.ModelConfig, max_new_tokens: int,
            temperature=1.0, stop_tokens: tuple[int, ...] = (), pad_id: int = 0,
            think_budget_B=None, interrupt_tokens: tuple[int, ...] = (), think_end_id: int = -1,
-           answer_budget: int = 0) -> Samples:
-    B, P = prompt_BP.shape
+           answer_budget: int = 0, group_size: int = 1) -> Samples:
+    """group_size=G: prompt_BP holds each group's prompt once ([B/G, P]); it is prefilled once
+    and its KV cache and last logits repeated for the group's G rows (row b samples from prompt
+    b // G), so prefill costs 1/G. Tokens and log-probs are those of G copies of each prompt."""
     decoder = model_lib.Decoder(cfg)
     apply = functools.partial(decoder.apply, {"params": model_lib.split_layers(params)})  # split once per call
-    cache = model_lib.init_cache(cfg, B, P + max_new_tokens)
+    n_prompts, P = prompt_BP.shape
+    B = n_prompts * group_size
+    cache = model_lib.init_cache(cfg, n_prompts, P + max_new_tokens)
     positions_BP = model_lib.positions_from_mask(prompt_mask_BP)
     logits_BPV, cache = apply(prompt_BP, positions_BP, prompt_mask_BP, cache)
-    next_pos_B = positions_BP[:, -1] + 1
+    last_BV, next_pos_B = logits_BPV[:, -1], positions_BP[:, -1] + 1
+    if group_size > 1:
+        last_BV, next_pos_B, cache = jax.tree.map(lambda x: jnp.repeat(x, group_size, axis=0),
+                                                  (last_BV, next_pos_B, cache))
 
     stop_ids = jnp.asarray(stop_tokens or (-1,), jnp.int32)
     phrase = jnp.asarray(interrupt_tokens or (pad_id,), jnp.int32)
@@ -118,7 +143,7 @@ def sample(params, prompt_BP, prompt_mask_BP, rng, *, cfg: model_lib.ModelConfig
         "forced": jnp.zeros((B, max_new_tokens), bool),
         "lengths": jnp.zeros((B,), jnp.int32),
     }
-    carry = (jnp.int32(0), cache, logits_BPV[:, -1], jnp.zeros((B,), bool), out, rng, next_pos_B,
+    carry = (jnp.int32(0), cache, last_BV, jnp.zeros((B,), bool), out, rng, next_pos_B,
              jnp.full((B,), -1, jnp.int32), jnp.zeros((B,), jnp.int32), jnp.full((B,), -1, jnp.int32))
     _, _, _, done_B, out, _, _, _, _, answer_left_B = jax.lax.while_loop(cond, body, carry)
     interrupted_B = answer_left_B >= 0
