@@ -75,7 +75,10 @@ def main():
         result = {}
         for name, extra in schemes.items():
             short, full = run(args.workdir, name, max(1, args.steps // 4), extra), run(args.workdir, name, args.steps, extra)
-            result[name] = (full[1] - short[1]) / max(full[0] - short[0], 1e-9)
+            if full[0] <= short[0]:  # start-up noise swamps the extra steps: the number would mean nothing
+                sys.exit(f"{name}: {args.steps} steps took {full[0]:.1f} s, {args.steps // 4} took {short[0]:.1f} s; "
+                         "raise --steps")
+            result[name] = (full[1] - short[1]) / (full[0] - short[0])
     finally:
         for proc, _ in replicas:
             proc.terminate()
