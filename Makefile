@@ -21,7 +21,10 @@ venv: $(BIN)/.installed
 run: venv
 	JAX_PLATFORMS=cpu $(BIN)/python launch/run.py --config=configs/tiny.py --workdir=$(WORKDIR)
 
-test: $(BIN)/.installed-test
+lint: $(BIN)/.installed-test
+	$(BIN)/ruff check .
+
+test: lint
 	JAX_PLATFORMS=cpu $(BIN)/python -m pytest -n 2 -q tests
 
 $(BIN)/.installed-tpu: $(BIN)/.installed-test requirements-tpu.txt
@@ -32,12 +35,14 @@ $(BIN)/.installed-tpu: $(BIN)/.installed-test requirements-tpu.txt
 test-slow: $(BIN)/.installed-test
 	JAX_PLATFORMS=cpu $(BIN)/python -m pytest -n 2 -q -m slow tests --ignore=tests/test_dry_run.py --ignore=tests/test_distributed.py
 
-# Ahead-of-time TPU compiles of the full-size configs (libtpu, ~700 MB) and the two-process
-# jax.distributed step (~8 min on two cores).
+# Ahead-of-time TPU compiles of the full-size configs (libtpu, ~700 MB): every test of
+# test_dry_run.py, fast ones included (they skip without libtpu in `make test`), and the
+# two-process jax.distributed checks.
 test-aot: $(BIN)/.installed-tpu
-	JAX_PLATFORMS=cpu $(BIN)/python -m pytest -n 2 -q -m slow tests/test_dry_run.py tests/test_distributed.py
+	JAX_PLATFORMS=cpu $(BIN)/python -m pytest -n 2 -q -m "slow or not slow" tests/test_dry_run.py
+	JAX_PLATFORMS=cpu $(BIN)/python -m pytest -n 2 -q -m slow tests/test_distributed.py
 
 bench: $(BIN)/.installed-test
 	JAX_PLATFORMS=cpu $(BIN)/python launch/bench.py
 
-.PHONY: venv run test test-slow test-aot bench
+.PHONY: venv lint run test test-slow test-aot bench

@@ -74,7 +74,7 @@ def test_low_temperature_is_greedy(tiny_params):
     tokens, mask = _prompts(B=4)
     out = sampler.sample(tiny_params, tokens, mask, jax.random.key(0), cfg=TINY, max_new_tokens=6, temperature=1e-4)
     seq, seq_mask = tokens, mask
-    for t in range(6):  # greedy decode by full recompute
+    for _ in range(6):  # greedy decode by full recompute
         pos = model_lib.positions_from_mask(seq_mask)
         logits, _ = model_lib.Decoder(TINY).apply({"params": tiny_params}, seq, pos, seq_mask)
         nxt = np.asarray(logits[:, -1].argmax(-1))[:, None].astype(np.int32)

@@ -9,7 +9,7 @@ from rl_scaling.scaling import io, law
 from rl_scaling.scaling.errors import ScalingDataError
 
 
-def write_workdir(d, A=0.6, seed_offset=0.0, steps=range(0, 2001, 50), eval_every=100, config=None):
+def write_workdir(d, A=0.6, seed_offset=0.0, steps=range(0, 2001, 50), eval_every=100, config=None):  # noqa: B008 (immutable)
     """A metrics.jsonl laid out like the trainer's (test fixture, synthetic numbers): a training line per
     logged step, and at eval steps a second line with the same step, the counters and the eval keys."""
     d.mkdir(parents=True, exist_ok=True)

@@ -10,8 +10,6 @@ A task provides
 
 from __future__ import annotations
 
-import functools
-
 from rl_scaling.tasks import arithmetic
 from rl_scaling.tasks.tokenizer import CharTokenizer
 

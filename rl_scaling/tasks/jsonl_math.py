@@ -104,7 +104,7 @@ class JsonlMathTask:
         prompt = self.template.replace("{bos}", self.bos_text).replace("{problem}", problem)
         return MathProblem(key=problem_key(problem), prompt=prompt, answer=answer, problem=problem)
 
-    @functools.lru_cache(maxsize=4)
+    @functools.lru_cache(maxsize=4)  # noqa: B019 (one task per run: the cache lives as long as it)
     def _order(self, epoch: int):
         return np.random.default_rng((self.seed, epoch)).permutation(len(self.train))
 
