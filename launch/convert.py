@@ -6,7 +6,10 @@
         its slices of the safetensors, a byte range at a time on gs://.)
     python launch/convert.py export WORKDIR HF_OUT [--step=N] [--dtype=bfloat16]
         The policy of a training run (its latest checkpoint, or step N; step 0 is the warm
-        start) -> HF safetensors + config.json that transformers loads.
+        start) -> HF safetensors + config.json that transformers loads, with the run's
+        tokenizer (tokenizer.json: the char tokenizer, or a copy of config.task.tokenizer), its
+        bos/eos/pad ids and a generation_config.json with the run's sampling settings, so
+        AutoTokenizer and AutoModelForCausalLM.generate work from HF_OUT alone.
 
 Every path may be local or gs://BUCKET/PATH (rl_scaling/paths.py).
 
@@ -27,7 +30,7 @@ import jax  # noqa: E402
 import ml_collections  # noqa: E402
 import orbax.checkpoint as ocp  # noqa: E402
 
-from rl_scaling import checkpoint, config as config_lib, paths, sharding  # noqa: E402
+from rl_scaling import checkpoint, config as config_lib, paths, sharding, tasks  # noqa: E402
 from rl_scaling.policy import hf_io  # noqa: E402
 
 
@@ -40,12 +43,25 @@ def import_hf(hf_dir: str, out: str, param_dtype: str = "float32") -> None:
     print(f"wrote {out}: {sum(x.size for x in jax.tree.leaves(params)):,} parameters ({param_dtype})")
 
 
-def run_params(workdir: str, step: int | None = None):
-    """(params, train ModelConfig, step) of a run's checkpoint; only the params are read."""
+def run_config(workdir: str) -> ml_collections.ConfigDict:
     config_path = paths.join(workdir, "config.json")
     if not paths.exists(config_path):
         raise SystemExit(f"{config_path} not found: is {workdir} a training run's workdir?")
-    config = ml_collections.ConfigDict(json.loads(paths.read_text(config_path)))
+    return ml_collections.ConfigDict(json.loads(paths.read_text(config_path)))
+
+
+def run_tokenizer(config):
+    """The tokenizer the run encoded its prompts with (without loading the task's data)."""
+    if config.task.get("tokenizer"):
+        from rl_scaling.tasks.hf_tokenizer import HFTokenizer
+
+        return HFTokenizer(config.task.tokenizer)
+    return tasks.make_task(config.task, config.seed).tokenizer
+
+
+def run_params(workdir: str, step: int | None = None):
+    """(params, train ModelConfig, step) of a run's checkpoint; only the params are read."""
+    config = run_config(workdir)
     cfg = config_lib.model_config(config)
     shapes, shardings = hf_io.abstract_params(cfg, sharding.make_mesh({"fsdp": -1}))
     abstract = checkpoint.abstract_like(shapes, shardings)
@@ -67,7 +83,12 @@ def run_params(workdir: str, step: int | None = None):
 
 def export_hf(workdir: str, out: str, step: int | None = None, dtype: str | None = None) -> None:
     params, cfg, step = run_params(workdir, step)
-    hf_io.save_hf_checkpoint(params, cfg, out, dtype=dtype)
+    config = run_config(workdir)
+    # generate()'s defaults sample as the run's rollouts did: the full distribution (top_k 0) at
+    # its temperature, at most its max_new_tokens; pass do_sample=False for greedy decoding.
+    generation = dict(do_sample=True, temperature=float(config.rollout.temperature), top_k=0, top_p=1.0,
+                      max_new_tokens=int(config.rollout.max_new_tokens))
+    hf_io.save_hf_checkpoint(params, cfg, out, dtype=dtype, tokenizer=run_tokenizer(config), generation=generation)
     print(f"wrote {out}: the policy at step {step}")
 
 

@@ -2,7 +2,10 @@
 
   cfg = config_from_hf(path, param_dtype="bfloat16")
   params = load_hf_checkpoint(path, cfg, mesh)      # sharded, unboxed params
-  save_hf_checkpoint(params, cfg, out_dir)           # safetensors shards + config.json
+  save_hf_checkpoint(params, cfg, out_dir, tokenizer=tok, generation=dict(temperature=1.0))
+      # safetensors shards + config.json (+ the tokenizer files, the special-token ids and
+      # generation_config.json when a tokenizer is given): AutoTokenizer and
+      # AutoModelForCausalLM.generate read the directory as it is
 
 Loading never holds the whole model on the host. The target of every parameter is a
 NamedSharding derived from its logical axes (`jax.eval_shape` of `init_params`, then
@@ -424,9 +427,12 @@ def _host(arr, i):
 
 
 def save_hf_checkpoint(params, cfg: M.ModelConfig, path: str, dtype: str | None = None,
-                       max_shard_bytes: int = 5 << 30):
+                       max_shard_bytes: int = 5 << 30, tokenizer=None, generation: dict | None = None):
     """Write `params` (unboxed) as HF safetensors shards + index + config.json.
 
+    With `tokenizer` (a CharTokenizer or HFTokenizer) also its files (save_hf_tokenizer), its
+    bos/eos/pad ids in config.json and generation_config.json (those ids plus `generation`,
+    e.g. the run's sampling temperature and max_new_tokens), so generate() stops at EOS.
     Tensors are fetched to the host one (layer, weight) at a time. Single-process only: on a
     multi-host mesh gather with process_allgather first."""
     paths.makedirs(path)
@@ -475,4 +481,43 @@ def save_hf_checkpoint(params, cfg: M.ModelConfig, path: str, dtype: str | None 
         total = sum(math.prod(s) * d.itemsize for d, s, _ in jobs.values())
         paths.write_text(paths.join(path, "model.safetensors.index.json"),
                          json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
-    paths.write_text(paths.join(path, "config.json"), json.dumps(hf_config_dict(cfg), indent=2))
+    config = hf_config_dict(cfg)
+    if tokenizer is not None:
+        ids = dict(bos_token_id=tokenizer.bos_id, eos_token_id=tokenizer.eos_id, pad_token_id=tokenizer.pad_id)
+        config.update(ids)
+        paths.write_text(paths.join(path, "generation_config.json"),
+                         json.dumps(dict(ids, **(generation or {})), indent=2))
+        save_hf_tokenizer(tokenizer, path)
+    paths.write_text(paths.join(path, "config.json"), json.dumps(config, indent=2))
+
+
+# Post-processors that add special tokens around the text (BOS, EOS, CLS, ...).
+_ADDS_SPECIALS = ("TemplateProcessing", "BertProcessing", "RobertaProcessing")
+
+
+def save_hf_tokenizer(tokenizer, path: str) -> None:
+    """tokenizer.json, tokenizer_config.json and special_tokens_map.json that AutoTokenizer loads
+    as a PreTrainedTokenizerFast encoding text to the ids the run trained on.
+
+    The run's prompt text carries its own BOS and encode() adds nothing, so the exported tokenizer
+    adds nothing either: a post-processor adding special tokens is dropped and add_bos_token is
+    off (`tokenizer("<bos>12+3=")` is the prompt's ids, `tokenizer("12+3=")` has no BOS). An
+    HFTokenizer's own tokenizer_config.json (chat template, ...) is kept with those overrides."""
+    data = json.loads(tokenizer.tok.to_str())
+    post = data.get("post_processor")
+    if post and post.get("type") in _ADDS_SPECIALS:
+        data["post_processor"] = None
+    elif post and post.get("type") == "Sequence":
+        post["processors"] = [p for p in post["processors"] if p.get("type") not in _ADDS_SPECIALS]
+    paths.write_text(paths.join(path, "tokenizer.json"), json.dumps(data, ensure_ascii=False))
+    specials = {name: tokenizer.tok.id_to_token(i) for name, i in
+                (("bos_token", tokenizer.bos_id), ("eos_token", tokenizer.eos_id), ("pad_token", tokenizer.pad_id))}
+    tok_config = {}
+    source = getattr(tokenizer, "path", None)  # an HFTokenizer's tokenizer.json
+    if source and paths.exists(paths.join(paths.dirname(source), "tokenizer_config.json")):
+        tok_config = json.loads(paths.read_text(paths.join(paths.dirname(source), "tokenizer_config.json")))
+    # PreTrainedTokenizerFast: a Llama tokenizer class would re-add BOS from add_bos_token.
+    tok_config.update(specials, tokenizer_class="PreTrainedTokenizerFast", add_bos_token=False,
+                      add_eos_token=False, clean_up_tokenization_spaces=False, padding_side="left")
+    paths.write_text(paths.join(path, "tokenizer_config.json"), json.dumps(tok_config, indent=2, ensure_ascii=False))
+    paths.write_text(paths.join(path, "special_tokens_map.json"), json.dumps(specials, indent=2))
