@@ -102,9 +102,51 @@ def listdir(p) -> list[str]:
     return sorted(q.name for q in path(p).iterdir())
 
 
+def find(p) -> list[str]:
+    """Every file under directory `p`, at any depth, sorted (full paths; [] when `p` is not a
+    directory). On gs:// one recursive object listing (gcsfs `find`); locally os.walk."""
+    p = resolve(p)
+    if not is_gcs(p):
+        return sorted(os.path.join(d, n) for d, _, names in os.walk(p) for n in names)
+    import fsspec
+
+    root = p.rstrip("/") + "/"
+    keys = fsspec.filesystem("gs").find(root[len("gs://"):])
+    return sorted(u for u in ("gs://" + k.rstrip("/") for k in keys) if u.startswith(root))
+
+
+def _glob_regex(pattern: str) -> re.Pattern:
+    """A regex for a shell pattern with glob.glob(recursive=True)'s meaning: `*`, `?` and `[...]`
+    stay inside one path component, a whole `**` component spans zero or more of them."""
+    out, parts = [], pattern.split("/")
+    for i, part in enumerate(parts):
+        if part == "**":
+            out.append(".*" if i == len(parts) - 1 else "(?:[^/]+/)*")
+            continue
+        j = 0
+        while j < len(part):
+            c = part[j]
+            close = part.find("]", j + 2) if c == "[" else -1
+            if c == "*":
+                out.append("[^/]*")
+            elif c == "?":
+                out.append("[^/]")
+            elif close > 0:
+                body = part[j + 1:close]
+                out.append("[" + ("^" + body[1:] if body[0] == "!" else body).replace("\\", "\\\\") + "]")
+                j = close
+            else:
+                out.append(re.escape(c))
+            j += 1
+        if i < len(parts) - 1:
+            out.append("/")
+    return re.compile("".join(out) + r"\Z", re.S)
+
+
 def glob(pattern: str) -> list[str]:
-    """Paths matching a shell pattern (`*`, `?`, `**`), sorted; on gs:// the pattern's directory
-    part before the first wildcard is listed."""
+    """Paths matching a shell pattern (`*`, `?`, `[...]`, `**` for any depth), sorted, files and
+    directories alike; on gs:// the pattern's directory part before the first wildcard is listed
+    (recursively when the pattern has `**`)."""
     pattern = resolve(pattern)
     if not is_gcs(pattern):
         import glob as glob_lib
@@ -115,7 +157,12 @@ def glob(pattern: str) -> list[str]:
     if cut == len(pattern):
         return [pattern] if exists(pattern) else []
     rest = pattern[len(root) + 1:]
-    return sorted(str(q) for q in path(root).glob(rest) if fnmatch.fnmatchcase(str(q), pattern))
+    if "**" not in rest.split("/"):
+        return sorted(str(q) for q in path(root).glob(rest) if fnmatch.fnmatchcase(str(q), pattern))
+    files = find(root)
+    dirs = {f.rsplit("/", i)[0] for f in files for i in range(1, f[len(root):].count("/"))}
+    regex = _glob_regex(pattern)
+    return sorted(q for q in set(files) | dirs if regex.match(q))
 
 
 def open_file(p, mode: str = "r", encoding: str | None = None, newline: str | None = None):

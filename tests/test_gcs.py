@@ -62,6 +62,8 @@ def test_local_paths_resolve_to_absolute_and_work(tmp_path, monkeypatch):
     assert paths.isdir("runs/a") and paths.isfile(target) and paths.exists(target)
     assert paths.listdir("runs/a") == ["x.json"]
     assert paths.glob(str(tmp_path / "runs" / "*" / "*.json")) == [str(tmp_path / "runs" / "a" / "x.json")]
+    assert paths.glob(str(tmp_path / "**" / "x.json")) == [str(tmp_path / "runs" / "a" / "x.json")]
+    assert paths.find("runs") == [target] and paths.find("nowhere") == []
     assert paths.dirname(target) == str(tmp_path / "runs" / "a") and paths.basename(target) == "x.json"
     with paths.open_file(target, "a") as f:  # local files still append
         f.write("\n")
@@ -93,6 +95,14 @@ def test_gcs_files_write_read_list_glob(gcs):
     assert not paths.exists(paths.join(base, "c"))
     assert paths.listdir(base) == ["a", "b", "blob.bin"]
     assert paths.glob(base + "/*/m.jsonl") == [f"{base}/a/m.jsonl", f"{base}/b/m.jsonl"]
+    paths.write_text(paths.join(base, "a", "deep", "er", "m.jsonl"), "{}\n")
+    # `**` spans any depth (epath refuses it on gs://: the layer lists the objects recursively).
+    assert paths.glob(base + "/**/m.jsonl") == [f"{base}/a/deep/er/m.jsonl", f"{base}/a/m.jsonl", f"{base}/b/m.jsonl"]
+    assert paths.glob(base + "/**/de?p") == [f"{base}/a/deep"]
+    assert paths.find(base) == [f"{base}/a/deep/er/m.jsonl", f"{base}/a/m.jsonl", f"{base}/b/m.jsonl",
+                                f"{base}/blob.bin"]
+    assert paths.find(base + "/nothing") == []
+    paths.remove(paths.join(base, "a", "deep", "er", "m.jsonl"))
     with pytest.raises(paths.PathError, match="cannot be appended"):
         paths.open_file(paths.join(base, "a", "m.jsonl"), "a")
     # The object is really in the emulator: read it back with google-cloud-storage, another client.
@@ -194,6 +204,25 @@ def test_metrics_and_tensorboard_on_gcs(gcs, tmp_path):
     acc.Reload()
     # The resumed writer purges the steps after its checkpoint: step 3 shows once, with its new value.
     assert sorted((e.step, e.value) for e in acc.Scalars(metrics.tb_tag("loss"))) == [(1, 0.25), (2, 0.5), (3, 0.0)]
+
+
+def test_fit_inputs_read_event_directories_on_gcs(gcs):
+    """fit.py's loaders take a gs:// TensorBoard event directory (TensorBoard reads it through
+    fsspec, i.e. gcsfs) and find metrics.jsonl at any depth under a gs:// folder."""
+    from rl_scaling import metrics
+    from rl_scaling.scaling import io
+
+    run = "gs://bucket/unit/fit_inputs/sweep/seed0"
+    w = metrics.MetricsWriter(run)
+    for s in (10, 20, 30):
+        w.write(s, {"loss": 0.1, "eval/pass_rate": s / 100, "compute_flops": s * 1e12})
+    w.close()
+    [tb] = io.load_tensorboard(run + "/tb", axis="steps")
+    np.testing.assert_allclose(tb.compute, [10, 20, 30])
+    np.testing.assert_allclose(tb.pass_rate, [0.1, 0.2, 0.3], rtol=1e-6)
+    [found] = io.load_inputs(["gs://bucket/unit/fit_inputs"], axis="steps")  # metrics.jsonl two levels down
+    assert found.source == run + "/metrics.jsonl"
+    np.testing.assert_allclose(found.pass_rate, tb.pass_rate)
 
 
 # ----------------------------------------------------------------------------- whole runs (slow)
