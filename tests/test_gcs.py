@@ -217,7 +217,9 @@ def test_fit_inputs_read_event_directories_on_gcs(gcs):
     for s in (10, 20, 30):
         w.write(s, {"loss": 0.1, "eval/pass_rate": s / 100, "compute_flops": s * 1e12})
     w.close()
+    paths.write_text(run + "/config.json", json.dumps({"recipe": "scalerl", "seed": 3}))
     [tb] = io.load_tensorboard(run + "/tb", axis="steps")
+    assert tb.name == "scalerl/seed3"  # the workdir's config.json, read from the bucket
     np.testing.assert_allclose(tb.compute, [10, 20, 30])
     np.testing.assert_allclose(tb.pass_rate, [0.1, 0.2, 0.3], rtol=1e-6)
     [found] = io.load_inputs(["gs://bucket/unit/fit_inputs"], axis="steps")  # metrics.jsonl two levels down

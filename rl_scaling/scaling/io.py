@@ -179,7 +179,7 @@ def load_tensorboard(logdir, axis="flops", recipe=None, seed=None):
         c = np.interp(steps, cs[order], cv[order])
     where = [f"{logdir}: step {int(s)}" for s in steps]
     # the trainer writes its events to WORKDIR/tb: the run's identity belongs to the workdir
-    wd = os.path.dirname(os.path.abspath(logdir)) if os.path.basename(os.path.abspath(logdir)) == "tb" else logdir
+    wd = files.dirname(logdir) if files.basename(logdir) == "tb" else logdir  # local or gs://
     r, s, n_eval = _identity(wd)
     return [_run(recipe or r, seed if seed is not None else s, c, y, None, str(logdir), axis, where,
                  (col, PASS_KEY), n_eval)]
