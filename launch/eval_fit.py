@@ -38,7 +38,7 @@ def main(argv):
     import orbax.checkpoint as ocp
     from tensorboardX import SummaryWriter
 
-    from rl_scaling import checkpoint, config as config_lib, evaluate, paths, sharding, tasks, train
+    from rl_scaling import checkpoint, config as config_lib, evaluate, metrics as metrics_lib, paths, sharding, tasks, train
     from rl_scaling.rl import train_step as ts
     from rl_scaling.scaling import api
 
@@ -52,7 +52,8 @@ def main(argv):
     evals_path = paths.join(out_dir, "evals.jsonl")
     done = {}
     if paths.exists(evals_path):
-        done = {r["step"]: r for r in map(json.loads, filter(str.strip, paths.read_text(evals_path).splitlines()))}
+        done = {r["step"]: r for r in metrics_lib.read_records(evals_path)}  # a torn last line is dropped
+        paths.write_text(evals_path, "".join(json.dumps(r) + "\n" for r in done.values()))  # and not kept
 
     mesh = sharding.make_mesh(dict(config.mesh))
     task = tasks.make_task(config.task, config.seed)

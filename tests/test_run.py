@@ -149,9 +149,13 @@ def test_eval_fit_loop_evaluates_each_checkpoint_once_and_fits(tmp_path):
     cmd = [sys.executable, os.path.join(ROOT, "launch", "eval_fit.py"), f"--workdir={tmp_path}", "--once",
            "--axis=steps", "--target_compute=40"]
     env = dict(os.environ, XLA_FLAGS="")
-    for _ in range(2):  # the second pass finds nothing new
+    for attempt in range(2):  # the second pass finds nothing new
         res = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
         assert res.returncode == 0, res.stderr[-3000:]
+        if attempt == 0:  # a kill in the middle of a write leaves a torn last line: dropped, redone
+            with open(tmp_path / "eval_fit" / "evals.jsonl", "a") as f:
+                f.write('{"step": 12, "pass_ra')
+    assert "dropping a torn last line" in res.stderr
     rows = read_jsonl(tmp_path / "eval_fit" / "evals.jsonl")
     assert [r["step"] for r in rows] == [0, 2, 4, 6, 8, 10]
     assert rows[-1]["compute_flops"] == read_jsonl(tmp_path / "metrics.jsonl")[-1]["compute_flops"]
