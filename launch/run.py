@@ -15,6 +15,7 @@ save took longer than config.preemption_grace_s; 1 an error (the message names i
 trainer holds the workdir, a checkpoint could not be saved, a bad config, ...).
 """
 
+import glob
 import logging
 import os
 import sys
@@ -34,6 +35,26 @@ _DRY_RUN = flags.DEFINE_bool("dry_run", False, "Compile the steps for config.tpu
 _DRY_RUN_STEPS = flags.DEFINE_list("dry_run_steps", ["train", "generation"], "What --dry_run compiles.")
 
 
+def _surely_process_0() -> bool:
+    """Whether this process is process 0 of its run, decided without jax (rl_scaling/distributed.py:
+    a coordinator with RL_SCALING_PROCESS_ID=0, or one process and no TPU slice to join)."""
+    if os.environ.get("RL_SCALING_COORDINATOR", "").strip():
+        return os.environ.get("RL_SCALING_PROCESS_ID", "").strip() == "0"
+    switch = os.environ.get("RL_SCALING_DISTRIBUTED", "").strip()
+    return switch == "0" or (switch != "1" and not glob.glob("/dev/accel*") and not glob.glob("/dev/vfio/[0-9]*"))
+
+
+def _lock_or_exit(lock):
+    try:
+        lock.acquire(_WORKDIR.value)
+    except lock.LockHeld as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(1)
+    except Exception as e:  # noqa: BLE001 - OSError locally; client/network errors on gs://
+        print(f"error: --workdir={_WORKDIR.value} is not writable: {type(e).__name__}: {e}", file=sys.stderr)
+        sys.exit(1)
+
+
 def main(argv):
     del argv
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -51,21 +72,18 @@ def main(argv):
             print(f"dry run failed: {e}", file=sys.stderr)
             sys.exit(1)
         return
+    from rl_scaling import lock
+
+    if _surely_process_0():  # lock before importing jax: a second trainer on this workdir stops within seconds
+        _lock_or_exit(lock)
     from configs import common
-    from rl_scaling import distributed, lock  # after flags: jax reads its env at import
+    from rl_scaling import distributed  # after flags: jax reads its env at import
 
     if distributed.initialize() and not distributed.is_main():
         logging.getLogger().setLevel(logging.ERROR)  # process 0 logs for the run
         logging.getLogger("rl_scaling").setLevel(logging.ERROR)
     if distributed.is_main():
-        try:  # before the slow imports: a second trainer on this workdir stops within seconds
-            lock.acquire(_WORKDIR.value)
-        except lock.LockHeld as e:
-            print(f"error: {e}", file=sys.stderr)
-            sys.exit(1)
-        except Exception as e:  # noqa: BLE001 - OSError locally; client/network errors on gs://
-            print(f"error: --workdir={_WORKDIR.value} is not writable: {type(e).__name__}: {e}", file=sys.stderr)
-            sys.exit(1)
+        _lock_or_exit(lock)  # held already unless this is a TPU slice's process 0
     from rl_scaling import checkpoint, preemption, train
 
     deviations = common.recipe_deviations(_CONFIG.value)
