@@ -95,3 +95,31 @@ def test_disk_full_during_a_save_is_a_named_error_and_keeps_the_last_checkpoint(
     assert sorted(os.listdir(tmp_path / "checkpoints")) == ["2"]  # no step 4, no temporary directory
     assert checkpoint.verify(str(tmp_path / "checkpoints" / "2"))
     assert max(r["step"] for r in read_jsonl(tmp_path / "metrics.jsonl")) == 4  # stopped at the failed save
+
+
+def test_manifest_on_gcs_names_the_changed_file():
+    import gcs_emulator
+    import pytest as pt
+
+    from rl_scaling import checkpoint, paths
+
+    emu = gcs_emulator.Emulator("bucket").start()
+    old = os.environ.get("STORAGE_EMULATOR_HOST")
+    os.environ["STORAGE_EMULATOR_HOST"] = emu.url
+    paths._configured = False
+    paths.configure_gcs()
+    try:
+        step = "gs://bucket/run/checkpoints/3"
+        for name, text in (("state/d/abc", "x" * 1000), ("meta/metadata", "{}")):
+            paths.write_text(paths.join(step, name), text)
+        checkpoint.write_manifest(step)
+        assert checkpoint.verify(step)
+        paths.write_text(paths.join(step, "state/d/abc"), "x" * 500 + "y" + "x" * 499)
+        with pt.raises(checkpoint.CorruptCheckpoint, match="gs://bucket/run/checkpoints/3/state/d/abc: SHA-256 differs"):
+            checkpoint.verify(step)
+    finally:
+        emu.stop()
+        if old is None:
+            os.environ.pop("STORAGE_EMULATOR_HOST", None)
+        else:
+            os.environ["STORAGE_EMULATOR_HOST"] = old
