@@ -3,7 +3,9 @@
 Every path goes through `resolve` first: a local path becomes absolute (as os.path.abspath),
 `gs://bucket/key` stays a URL, and any other scheme (s3://, hdfs://, http://, or a mangled
 `gs:/bucket`) is a `PathError` naming it, so a URL never silently turns into a local folder.
-Files are then reached through `etils.epath` (what Orbax uses), which serves gs:// with gcsfs.
+Files are then reached through `etils.epath` (what Orbax uses), which serves gs:// with gcsfs;
+recursive listings (`find`, `glob` with `**`, which epath refuses on gs://) are one gcsfs object
+listing there and os.walk locally.
 Orbax writes arrays with tensorstore's own `gcs` driver; TensorBoard events go through
 tensorboardX's google-cloud-storage writer.
 
