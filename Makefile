@@ -45,4 +45,10 @@ test-aot: $(BIN)/.installed-tpu
 bench: $(BIN)/.installed-test
 	JAX_PLATFORMS=cpu $(BIN)/python launch/bench.py
 
-.PHONY: venv lint run test test-slow test-aot bench
+# Side by side with google-tunix (../shared/peers builds its venv): alternating processes,
+# medians and per-pair ratios (~20 min on a quiet 2-core machine).
+bench-peers: $(BIN)/.installed-test
+	bash ../shared/peers/setup.sh
+	JAX_PLATFORMS=cpu $(BIN)/python launch/bench.py --vs_tunix --rounds=5
+
+.PHONY: venv lint run test test-slow test-aot bench bench-peers
