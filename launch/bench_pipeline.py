@@ -6,12 +6,17 @@ Both schemes run the tiny RL loop (tests' sizes: 32 prompts x 8 samples, 16 new 
 control) from one shared warm start. `pipeline` is PipelineRL-8 against `--replicas` launch/serve.py
 processes (each its own process and XLA CPU device), the trainer a further process. Each scheme runs
 twice, `steps` and `steps / 4` RL steps, and samples/s is the difference of the two runs' samples
-over the difference of their wall times: start-up, compilation and evals cancel out.
+over the difference of their wall times: start-up, compilation and evals cancel out. The replicas
+compile in an untimed 1-step pipeline run first (their caches outlive a trainer), so the first
+timed run does not pay for it. `steady_*` is a second estimate from the long run alone: samples
+over the time between the console lines (every `log_every` steps) from step `steps / 4` to the
+last before the final step and its eval.
 """
 
 import argparse
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -45,16 +50,30 @@ def start_replica(workdir, i):
 
 
 def run(workdir, name, steps, extra):
+    """One launch/run.py: (wall s, samples, steady samples/s). The steady rate is timed inside the run,
+    between the first console line at or after step steps/4 and the last before the final step (no
+    start-up, no final eval)."""
     out = os.path.join(workdir, f"{name}_{steps}")
     cmd = [sys.executable, os.path.join(ROOT, "launch", "run.py"), f"--workdir={out}", f"--config.steps={steps}",
            *OVERRIDES, *extra]
-    t = time.perf_counter()
-    done = subprocess.run(cmd, env=_env(), capture_output=True, text=True)
+    t, seen, tail = time.perf_counter(), {}, []
+    with open(os.path.join(workdir, f"{name}_{steps}.stdout"), "w") as stdout:
+        proc = subprocess.Popen(cmd, env=_env(), stdout=stdout, stderr=subprocess.PIPE, text=True)
+        for line in proc.stderr:  # the trainer flushes one progress line per step
+            m = re.match(r"step (\d+)/", line)
+            if m:
+                seen.setdefault(int(m.group(1)), time.perf_counter())
+            tail = (tail + [line])[-60:]
+        proc.wait()
     wall = time.perf_counter() - t
-    if done.returncode:
-        sys.exit(f"{name} failed:\n{done.stderr[-3000:]}")
+    if proc.returncode:
+        sys.exit(f"{name} failed:\n{''.join(tail)[-3000:]}")
     rows = [json.loads(line) for line in open(os.path.join(out, "metrics.jsonl"))]
-    return wall, max(r.get("samples", 0) for r in rows)
+    samples = {r["step"]: r["samples"] for r in rows if "samples" in r}
+    logged = sorted(k for k in seen if steps // 4 <= k < steps and k in samples)  # every config.log_every steps
+    a, b = (logged[0], logged[-1]) if logged else (0, 0)
+    steady = (samples[b] - samples[a]) / (seen[b] - seen[a]) if a < b else float("nan")
+    return wall, max(samples.values()), steady
 
 
 def main():
@@ -72,9 +91,12 @@ def main():
         servers = ",".join(a for _, a in replicas)
         schemes = {"sync": init, "pipeline": init + ["--config.rollout.mode=pipeline", "--config.rollout.max_staleness=8",
                                                      f"--config.rollout.servers={servers}"]}
-        result = {}
+        run(args.workdir, "pipeline_warm", 1, schemes["pipeline"])  # the replicas compile here, not in a timed run
+        result, walls, steady = {}, {}, {}
         for name, extra in schemes.items():
             short, full = run(args.workdir, name, max(1, args.steps // 4), extra), run(args.workdir, name, args.steps, extra)
+            walls[name] = [round(short[0], 1), round(full[0], 1)]
+            steady[name] = full[2]
             if full[0] <= short[0]:  # start-up noise swamps the extra steps: the number would mean nothing
                 sys.exit(f"{name}: {args.steps} steps took {full[0]:.1f} s, {args.steps // 4} took {short[0]:.1f} s; "
                          "raise --steps")
@@ -86,6 +108,10 @@ def main():
     print(json.dumps({"tool": "bench_pipeline", "replicas": args.replicas, "steps": args.steps,
                       "sync_samples_s": round(result["sync"], 1), "pipeline_samples_s": round(result["pipeline"], 1),
                       "pipeline_vs_sync": round(result["pipeline"] / result["sync"], 3),
+                      "steady_sync_samples_s": round(steady["sync"], 1),
+                      "steady_pipeline_samples_s": round(steady["pipeline"], 1),
+                      "steady_pipeline_vs_sync": round(steady["pipeline"] / steady["sync"], 3),
+                      "wall_s": {k: dict(zip([args.steps // 4, args.steps], v)) for k, v in walls.items()},
                       "cpus": len(os.sched_getaffinity(0)), "loadavg": list(os.getloadavg())}), flush=True)
 
 
