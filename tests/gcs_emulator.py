@@ -11,6 +11,7 @@ killed before its teardown leaves no emulator behind.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import ctypes.util
 import json
@@ -112,3 +113,23 @@ class Emulator:
         if self._log is not None:
             self._log.close()
             self._log = None
+
+
+@contextlib.contextmanager
+def serving(bucket: str = "bucket"):
+    """A running emulator with STORAGE_EMULATOR_HOST pointing this process at it, restored after."""
+    from rl_scaling import paths
+
+    emu = Emulator(bucket).start()
+    old = os.environ.get("STORAGE_EMULATOR_HOST")
+    os.environ["STORAGE_EMULATOR_HOST"] = emu.url
+    paths._configured = False  # map the variable for this emulator (a fresh process does it once)
+    paths.configure_gcs()
+    try:
+        yield emu
+    finally:
+        emu.stop()
+        if old is None:
+            os.environ.pop("STORAGE_EMULATOR_HOST", None)
+        else:
+            os.environ["STORAGE_EMULATOR_HOST"] = old

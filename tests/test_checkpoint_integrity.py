@@ -103,12 +103,7 @@ def test_manifest_on_gcs_names_the_changed_file():
 
     from rl_scaling import checkpoint, paths
 
-    emu = gcs_emulator.Emulator("bucket").start()
-    old = os.environ.get("STORAGE_EMULATOR_HOST")
-    os.environ["STORAGE_EMULATOR_HOST"] = emu.url
-    paths._configured = False
-    paths.configure_gcs()
-    try:
+    with gcs_emulator.serving("bucket"):
         step = "gs://bucket/run/checkpoints/3"
         for name, text in (("state/d/abc", "x" * 1000), ("meta/metadata", "{}")):
             paths.write_text(paths.join(step, name), text)
@@ -117,9 +112,3 @@ def test_manifest_on_gcs_names_the_changed_file():
         paths.write_text(paths.join(step, "state/d/abc"), "x" * 500 + "y" + "x" * 499)
         with pt.raises(checkpoint.CorruptCheckpoint, match="gs://bucket/run/checkpoints/3/state/d/abc: SHA-256 differs"):
             checkpoint.verify(step)
-    finally:
-        emu.stop()
-        if old is None:
-            os.environ.pop("STORAGE_EMULATOR_HOST", None)
-        else:
-            os.environ["STORAGE_EMULATOR_HOST"] = old

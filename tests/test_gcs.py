@@ -24,17 +24,8 @@ from rl_scaling import paths  # noqa: E402
 @pytest.fixture(scope="module")
 def gcs():
     """A running emulator with bucket `bucket`, STORAGE_EMULATOR_HOST set for this process."""
-    emu = gcs_emulator.Emulator("bucket").start()
-    old = os.environ.get("STORAGE_EMULATOR_HOST")
-    os.environ["STORAGE_EMULATOR_HOST"] = emu.url
-    paths._configured = False  # map the variable for this emulator (a fresh process does it once)
-    paths.configure_gcs()
-    yield emu
-    emu.stop()
-    if old is None:
-        os.environ.pop("STORAGE_EMULATOR_HOST", None)
-    else:
-        os.environ["STORAGE_EMULATOR_HOST"] = old
+    with gcs_emulator.serving("bucket") as emu:
+        yield emu
 
 
 # ----------------------------------------------------------------------------- no emulator needed

@@ -44,17 +44,8 @@ def test_local_lock_names_the_holder_and_frees_on_exit(tmp_path):
 
 @pytest.fixture(scope="module")
 def gcs():
-    emu = gcs_emulator.Emulator("bucket").start()
-    old = os.environ.get("STORAGE_EMULATOR_HOST")
-    os.environ["STORAGE_EMULATOR_HOST"] = emu.url
-    paths._configured = False
-    paths.configure_gcs()
-    yield emu
-    emu.stop()
-    if old is None:
-        os.environ.pop("STORAGE_EMULATOR_HOST", None)
-    else:
-        os.environ["STORAGE_EMULATOR_HOST"] = old
+    with gcs_emulator.serving("bucket") as emu:
+        yield emu
 
 
 def _put_holder(url, **holder):
