@@ -76,7 +76,7 @@ def test_removed_prompts_never_come_back_also_after_resume(tmp_path):
                 removed_at.setdefault(k, step)
     assert set(removed_at) == FewPromptsTask.EASY  # every easy prompt was seen, then removed
     assert npr.removed == {filters.prompt_key(tok.encode(p.prompt)) for p in FewPromptsTask.PROBLEMS[:4]}
-    ckpts.save(8, {"x": jnp.zeros(2)}, {"data": stream.get_state(), "npr": npr.state()}, wait=True)
+    ckpts.save(8, {"x": jnp.zeros(2)}, {"data": stream.get_state(), "npr": npr.state()})  # saves are synchronous
 
     # Resume in a fresh "process": history first, then the iterator state.
     _, _, meta = ckpts.restore_latest({"x": jnp.zeros(2)})
