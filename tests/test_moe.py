@@ -203,10 +203,10 @@ def ep_cases():
     return jax.device_get({"spread": (spread, x), "one_expert": (one, x_one)})
 
 
-def _values_and_grads(cases, impl):
+def _values_and_grads(cases, impl, token_chunk=0):
     outs = {}
     for name, (p, x) in cases.items():
-        cfg = dataclasses.replace(EP_CFG, num_experts_per_tok=EP_K[name], moe_impl=impl)
+        cfg = dataclasses.replace(EP_CFG, num_experts_per_tok=EP_K[name], moe_impl=impl, moe_token_chunk=token_chunk)
 
         def f(p, x):
             return moe.MoeMlp(cfg).apply({"params": p}, x, mutable="intermediates")
@@ -223,15 +223,20 @@ def ep_dense(ep_cases):
         return jax.jit(lambda c: _values_and_grads(c, "dense"))(ep_cases)
 
 
-@pytest.mark.parametrize("shape", EP_MESHES, ids=lambda s: "x".join(f"{k}{v}" for k, v in s.items()))
-def test_expert_parallel_equals_dense_values_and_grads(shape, ep_cases, ep_dense):
+# 16 tokens over 8 devices: 2 per device; with expert=2 x fsdp=2 x tensor=2, 4 per device: 2 chunks
+# of 2, or 2 of 3 with 2 padding tokens
+@pytest.mark.parametrize("shape,token_chunk", [(s, 0) for s in EP_MESHES] + [(EP_MESHES[0], 2), (EP_MESHES[0], 3)],
+                         ids=lambda s: "x".join(f"{k}{v}" for k, v in s.items()) if isinstance(s, dict) else f"chunk{s}")
+def test_expert_parallel_equals_dense_values_and_grads(shape, token_chunk, ep_cases, ep_dense):
     if len(jax.devices()) < 8:
         pytest.skip("needs 8 (fake) devices")
     mesh = sharding.make_mesh(shape)
     with jax.set_mesh(mesh):
-        fn = jax.jit(lambda c: _values_and_grads(c, "expert_parallel"))
+        fn = jax.jit(lambda c: _values_and_grads(c, "expert_parallel", token_chunk))
         text = fn.lower(ep_cases).as_text()
         assert "all_to_all" in text and "ragged" not in text  # the padded stand-in on CPU
+        if token_chunk:
+            assert "while" in text  # the chunks are exchanged one after another
         got = fn(ep_cases)
     one_load = np.asarray(got["one_expert"][1]["expert_load"][0])
     np.testing.assert_array_equal(one_load, np.eye(8)[5])  # every token went to expert 5

@@ -61,6 +61,7 @@ class ModelConfig:
     shared_expert: bool = True
     router_aux_loss_coef: float = 0.0
     moe_impl: str = "ragged"  # "ragged" / "expert_parallel": dropless grouped matmul (moe.py); "dense": test oracle
+    moe_token_chunk: int = 0  # expert_parallel: tokens per device and exchange (0: all at once); bounds the buffers
     # Llama-4 attention details (off for Llama-3 shapes).
     nope_layer_interval: int = 0  # every n-th layer uses no RoPE (Llama 4: 4)
     attention_chunk_size: int = 0  # RoPE layers attend within chunks (Llama 4: 8192)

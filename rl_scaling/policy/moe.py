@@ -81,6 +81,7 @@ router logits outside the shard_map, so over the global batch whatever the dispa
 
 from __future__ import annotations
 
+import functools
 import math
 
 import jax
@@ -277,11 +278,17 @@ def experts_expert_parallel_local(x_SD, idx_SK, gate_SK, wg_LDF, wu_LDF, wo_LFD,
     return back_ND[inverse].astype(jnp.float32).reshape(S, K, -1).sum(1)
 
 
-def experts_expert_parallel(x_SD, idx_SK, gate_SK, wg_EDF, wu_EDF, wo_EFD, dtype, exchange_fn=exchange):
+def experts_expert_parallel(x_SD, idx_SK, gate_SK, wg_EDF, wu_EDF, wo_EFD, dtype, exchange_fn=exchange,
+                            token_chunk=0):
     """Expert parallelism inside shard_map: tokens split over the batch axes (which include
     `expert`), experts over `expert`, the expert hidden over `expert_mlp` (psum at the end).
     Without a mesh, with an `expert` axis of 1, or with shapes the mesh does not divide, it is
-    `experts_sharded`."""
+    `experts_sharded`.
+
+    `token_chunk` > 0 exchanges a device's tokens in chunks of that many, one after another
+    (`lax.map`, each chunk rematerialised): the same bytes travel, but the worst-case receive
+    slab and the grouped matmuls' [n*chunk*k, F] activations shrink by S / token_chunk (Scout:
+    n = 16, S = 16k, F = 8k: 13 GB of bf16 activations per layer at once without chunks)."""
     mesh = _context_mesh()
     ep_axes = _mesh_axes("expert", mesh) if mesh is not None else ()
     if not ep_axes:
@@ -298,8 +305,23 @@ def experts_expert_parallel(x_SD, idx_SK, gate_SK, wg_EDF, wu_EDF, wo_EFD, dtype
     P = jax.sharding.PartitionSpec
     tok, t = P(batch_axes, None), tensor_axes or None
 
+    def one_chunk(x, idx, gate, wg, wu, wo):
+        return experts_expert_parallel_local(x, idx, gate, wg, wu, wo, dtype=dtype, axis_name=ep,
+                                             exchange_fn=exchange_fn)
+
     def local(x, idx, gate, wg, wu, wo):
-        y = experts_expert_parallel_local(x, idx, gate, wg, wu, wo, dtype=dtype, axis_name=ep, exchange_fn=exchange_fn)
+        S = x.shape[0]
+        if 0 < token_chunk < S:
+            c = -(-S // token_chunk)  # padding tokens have gate 0: zero input, zero output, sliced off
+
+            def chunks(a):
+                a = jnp.pad(a, [(0, c * token_chunk - S)] + [(0, 0)] * (a.ndim - 1))
+                return a.reshape((c, token_chunk) + a.shape[1:])
+
+            body = jax.checkpoint(lambda xs: one_chunk(*xs, wg, wu, wo))
+            y = jax.lax.map(body, (chunks(x), chunks(idx), chunks(gate))).reshape(c * token_chunk, -1)[:S]
+        else:
+            y = one_chunk(x, idx, gate, wg, wu, wo)
         return jax.lax.psum(y, tensor_axes) if tensor_axes else y
 
     return jax.shard_map(
@@ -338,8 +360,9 @@ class MoeMlp(nn.Module):
         B, T, _ = x_BTD.shape
         x_SD = x_BTD.reshape(B * T, D)
         logits_SE, idx_SK, gate_SK = route(x_SD, router, K)
-        impl = {"ragged": experts_sharded, "expert_parallel": experts_expert_parallel, "dense": experts_dense}[cfg.moe_impl]
-        y_SD = impl(x_SD, idx_SK, gate_SK, wg, wu, wo, dtype)
+        impl = {"ragged": experts_sharded, "dense": experts_dense,
+                "expert_parallel": functools.partial(experts_expert_parallel, token_chunk=cfg.moe_token_chunk)}
+        y_SD = impl[cfg.moe_impl](x_SD, idx_SK, gate_SK, wg, wu, wo, dtype)
 
         # Switch-style load balancing (f_e * P_e) and the per-expert load.
         load_E = jnp.mean(jnp.sum(jax.nn.one_hot(idx_SK, E, dtype=jnp.float32), axis=1), axis=0) / K
