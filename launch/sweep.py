@@ -1,7 +1,7 @@
-"""Recipes x seeds, one run after another, then the comparison table and figures.
+"""Recipes x seeds, --jobs at a time, then the comparison table and figures.
 
     python launch/sweep.py --config=configs/tiny.py --recipes=scalerl,minimax,dapo,grpo,magistral \\
-        --seeds=3 --workdir=DIR [--extra="--config.eval.num_prompts=128"] [--dry_run]
+        --seeds=3 --workdir=DIR [--jobs=2] [--prune] [--extra="--config.eval.num_prompts=128"] [--dry_run]
 
 A recipe spec is a name from configs/common.py RECIPES, or a leave-one-out ablation
 `NAME+section.field=value[+...]` (e.g. `scalerl+rl.no_positive_resampling=False`), labelled
@@ -17,6 +17,13 @@ DIR/curves.png (raw held-out pass rate against compute), DIR/comparison.md (the 
 DIR/sweep.json (commands, wall times, exit codes).
 --dry_run prints the commands (warm start first, then the runs, which are independent and can
 go to a cluster in parallel, then the fit) and runs nothing.
+--jobs=N runs N at once, each pinned to its share of the cores (on 2 cores, 2 one-core runs
+give 1.5x the throughput of one two-core run: small matmuls do not scale over threads). A run's
+numerics depend on its thread count, so keep N fixed across a sweep's invocations.
+--prune uses the law as a scheduler: at every new eval each recipe is refitted (seeds pooled);
+once a recipe's A has a 95% upper bound below the best identifiable recipe's lower bound, its
+runs get SIGTERM (they checkpoint and exit 75: a later sweep without --prune resumes them) and
+its queued seeds are not started. sweep.json records why and the compute saved.
 """
 
 from __future__ import annotations
@@ -26,6 +33,7 @@ import json
 import math
 import os
 import shlex
+import signal
 import subprocess
 import sys
 import time
@@ -49,6 +57,11 @@ def parse_args(argv=None):
     ap.add_argument("--extra", default="", help="more --config.* overrides for every run (one string)")
     ap.add_argument("--init_checkpoint", default="", help="params to start every run from (default: a shared warm start)")
     ap.add_argument("--dry_run", action="store_true", help="print the commands, run nothing")
+    ap.add_argument("--jobs", type=int, default=1, help="runs at once, each pinned to its share of the CPU cores")
+    ap.add_argument("--prune", action="store_true",
+                    help="refit at every eval; stop a recipe once its A's 95%% upper bound is below the best's lower bound")
+    ap.add_argument("--prune_boot", type=int, default=200, help="bootstrap replicates of each --prune refit")
+    ap.add_argument("--poll_s", type=float, default=10.0, help=argparse.SUPPRESS)
     ap.add_argument("--axis", default="flops", choices=("flops", "accel_hours", "steps"), help="compute axis of the fit")
     ap.add_argument("--fit_args", default="", help="more launch/fit.py flags (one string), e.g. '--n-boot=300'")
     ap.add_argument("--python", default=sys.executable)
@@ -113,15 +126,181 @@ def fit_cmd(args, workdirs):
             *shlex.split(args.fit_args)]
 
 
-def _run(cmd, log_path):
+def _start(cmd, log_path, cores=None):
+    """One run as a child process logging to log_path, pinned to `cores` (a set of CPU ids) if given."""
     os.makedirs(os.path.dirname(log_path), exist_ok=True)
+    log = open(log_path, "a")
+    log.write("$ " + shlex.join(cmd) + "\n")
+    log.flush()
+    pin = (lambda: os.sched_setaffinity(0, cores)) if cores else None
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT, preexec_fn=pin,
+                            env=dict(os.environ, JAX_PLATFORMS=os.environ.get("JAX_PLATFORMS", "cpu")))
+    log.close()  # the child holds its own copy
+    return proc
+
+
+def _run(cmd, log_path):
     t0 = time.time()
-    with open(log_path, "a") as log:
-        log.write("$ " + shlex.join(cmd) + "\n")
-        log.flush()
-        rc = subprocess.call(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT,
-                             env=dict(os.environ, JAX_PLATFORMS=os.environ.get("JAX_PLATFORMS", "cpu")))
+    rc = _start(cmd, log_path).wait()
     return rc, time.time() - t0
+
+
+def _core_sets(jobs):
+    """CPU ids per job slot: the cores this process may use, dealt out round-robin."""
+    if jobs <= 1 or not hasattr(os, "sched_getaffinity"):
+        return [None] * max(jobs, 1)
+    cores = sorted(os.sched_getaffinity(0))
+    if len(cores) < jobs:
+        return [None] * jobs
+    return [set(cores[i::jobs]) for i in range(jobs)]
+
+
+def _evals(workdir):
+    """[(compute_flops, step)] of a run's held-out evals so far (a torn last line is skipped)."""
+    path = os.path.join(workdir, "metrics.jsonl")
+    out = []
+    if os.path.exists(path):
+        for line in open(path):
+            try:
+                rec = json.loads(line)
+            except json.JSONDecodeError:
+                continue
+            if isinstance(rec, dict) and "eval/pass_rate" in rec:
+                out.append((rec.get("compute_flops", 0.0), rec.get("step", 0)))
+    return out
+
+
+def prune_decision(workdirs_by_label, n_boot=200):
+    """The law as a scheduler: refit each recipe's seeds so far; a recipe whose A's 95% upper bound
+    is below the best identifiable recipe's lower bound cannot catch up at any budget.
+    Returns ({label: (A_lo, A_hi, identifiable)}, {pruned label: reason})."""
+    from rl_scaling.scaling import api, io
+
+    bounds = {}
+    for label, wds in workdirs_by_label.items():
+        metrics = [os.path.join(wd, "metrics.jsonl") for wd in wds if len(_evals(wd)) >= 3]
+        if not metrics:
+            continue
+        try:
+            runs = [r for m in metrics for r in io.load_jsonl(m, recipe=label)]
+            s = api.fit_runs(runs, name=label, n_boot=n_boot, holdout=None).summary()
+        except (ValueError, RuntimeError):  # ScalingDataError included
+            continue  # too few points in the window yet
+        lo, hi = s["ci"]["A"]
+        bounds[label] = (lo, hi, bool(s["identifiable"]))
+    ident = {k: v for k, v in bounds.items() if v[2]}
+    if not ident:
+        return bounds, {}
+    best = max(ident, key=lambda k: ident[k][0])
+    lo_best = ident[best][0]
+    pruned = {k: f"A <= {v[1]:.3f} (95% upper bound) < {best}'s A >= {lo_best:.3f} (95% lower bound)"
+              for k, v in bounds.items() if k != best and v[1] < lo_best}
+    return bounds, pruned
+
+
+def schedule(args, runs, record, workdir):
+    """Run the planned runs, `args.jobs` at a time; with --prune, refit at every new eval and stop
+    the recipes the law rules out (SIGTERM: they checkpoint and exit 75, so a later sweep without
+    --prune resumes them). Returns the run entries and the pruning record."""
+    slots = _core_sets(args.jobs)
+    queue = list(enumerate(runs))
+    running = {}  # slot -> (entry, proc, t0)
+    entries, pruned = {}, {}
+    seen_evals = {}
+    by_label = {}
+    for label, _, wd, _ in runs:
+        by_label.setdefault(label, []).append(wd)
+
+    def save():
+        record["runs"] = [entries[i] for i in sorted(entries)]
+        record["pruned"] = pruned
+        _write_json(os.path.join(workdir, "sweep.json"), record)
+
+    while queue or running:
+        free = [k for k in range(len(slots)) if k not in running]
+        while free and queue:
+            i, (label, seed, wd, cmd) = queue.pop(0)
+            entry = {"label": label, "seed": seed, "workdir": wd, "cmd": shlex.join(cmd)}
+            entries[i] = entry
+            if os.path.exists(os.path.join(wd, DONE)):
+                entry.update(json.load(open(os.path.join(wd, DONE))), skipped=True)
+                print(f"[{i + 1}/{len(runs)}] {label} seed {seed}: done before, skipped", flush=True)
+                continue
+            if label in pruned:
+                entry.update(rc=None, pruned=True)
+                print(f"[{i + 1}/{len(runs)}] {label} seed {seed}: pruned, not started", flush=True)
+                continue
+            k = free.pop(0)
+            print(f"[{i + 1}/{len(runs)}] {label} seed {seed}: started{'' if slots[k] is None else f' on cores {sorted(slots[k])}'}",
+                  flush=True)
+            running[k] = (i, _start(cmd, os.path.join(wd, "run.log"), slots[k]), time.time())
+        time.sleep(args.poll_s if running else 0)
+        for k, (i, proc, t0) in list(running.items()):
+            rc = proc.poll()
+            if rc is None:
+                continue
+            entry, wall = entries[i], time.time() - t0
+            entry.update(rc=rc, wall_s=wall)
+            print(f"[{i + 1}/{len(runs)}] {entry['label']} seed {entry['seed']}: exit {rc}, {wall / 60:.1f} min", flush=True)
+            if rc == 0:
+                with open(os.path.join(entry["workdir"], DONE), "w") as f:
+                    json.dump({"rc": rc, "wall_s": wall}, f)
+            del running[k]
+            save()
+        if args.prune:
+            counts = {wd: len(_evals(wd)) for wds in by_label.values() for wd in wds}
+            if counts != seen_evals:
+                seen_evals = counts
+                live = {lb: wds for lb, wds in by_label.items() if lb not in pruned}
+                _, newly = prune_decision(live, n_boot=args.prune_boot)
+                for label, why in newly.items():
+                    pruned[label] = {"reason": why, "at_evals": {wd: counts[wd] for wd in by_label[label]}}
+                    print(f"pruned {label}: {why}", flush=True)
+                    for i, proc, _ in running.values():
+                        if entries[i]["label"] == label:
+                            entries[i]["pruned"] = True
+                            proc.send_signal(signal.SIGTERM)
+                if newly:
+                    save()
+    if pruned:
+        record["compute_saved"] = compute_saved(runs, pruned)
+        print(f"pruning saved {record['compute_saved']['saved_frac']:.0%} of the sweep's planned compute "
+              f"({record['compute_saved']['saved_flops']:.3g} of {record['compute_saved']['planned_flops']:.3g} FLOPs)",
+              flush=True)
+    save()
+    return [entries[i] for i in sorted(entries)], pruned
+
+
+def _planned(workdir):
+    """(planned steps, compute per step so far) of a started run, from its config.json and metrics."""
+    try:
+        steps = json.load(open(os.path.join(workdir, "config.json")))["steps"]
+    except (OSError, KeyError, json.JSONDecodeError):
+        return None, None
+    ev = _evals(workdir)
+    done_flops, done_step = max(ev) if ev else (0.0, 0)
+    return steps, (done_flops / done_step if done_step else None)
+
+
+def compute_saved(runs, pruned):
+    """Planned FLOPs of the whole sweep and what pruning left unspent: a run's planned compute is
+    its steps times its (or its recipe's) FLOPs per step so far."""
+    per_step, steps_of = {}, {}
+    for label, _, wd, _ in runs:
+        steps, fps = _planned(wd)
+        if steps:
+            steps_of.setdefault(label, steps)
+        if fps:
+            per_step.setdefault(label, fps)
+    planned = saved = 0.0
+    for label, _, wd, _ in runs:
+        total = steps_of.get(label, 0) * per_step.get(label, 0.0)
+        ev = _evals(wd)
+        done = max(ev)[0] if ev else 0.0
+        planned += total
+        if label in pruned:
+            saved += max(total - done, 0.0)
+    return {"planned_flops": planned, "saved_flops": saved, "saved_frac": saved / planned if planned else 0.0}
 
 
 def main(argv=None):
@@ -153,23 +332,10 @@ def main(argv=None):
         if rc != 0 or not os.path.isdir(init):
             print(f"error: the warm start failed (exit {rc}); see {workdir}/warmstart/run.log", file=sys.stderr)
             return 1
-    for i, (label, seed, wd, cmd) in enumerate(runs):
-        entry = {"label": label, "seed": seed, "workdir": wd, "cmd": shlex.join(cmd)}
-        if os.path.exists(os.path.join(wd, DONE)):
-            entry.update(json.load(open(os.path.join(wd, DONE))), skipped=True)
-            print(f"[{i + 1}/{len(runs)}] {label} seed {seed}: done before, skipped", flush=True)
-        else:
-            print(f"[{i + 1}/{len(runs)}] {label} seed {seed} ...", end=" ", flush=True)
-            rc, wall = _run(cmd, os.path.join(wd, "run.log"))
-            entry.update(rc=rc, wall_s=wall)
-            print(f"exit {rc}, {wall / 60:.1f} min", flush=True)
-            if rc == 0:
-                with open(os.path.join(wd, DONE), "w") as f:
-                    json.dump({"rc": rc, "wall_s": wall}, f)
-        record["runs"].append(entry)
-        _write_json(os.path.join(workdir, "sweep.json"), record)
-    ok = [r["workdir"] for r in record["runs"] if r.get("rc") == 0]
-    failed = [f"{r['label']}/seed{r['seed']}" for r in record["runs"] if r.get("rc") != 0]
+    record["runs"], record["pruned"] = schedule(args, runs, record, workdir)
+    # pruned runs that had started keep their partial curves in the fit
+    ok = [r["workdir"] for r in record["runs"] if r.get("rc") == 0 or (r.get("pruned") and _evals(r["workdir"]))]
+    failed = [f"{r['label']}/seed{r['seed']}" for r in record["runs"] if r.get("rc") != 0 and not r.get("pruned")]
     fit = None
     if ok:
         cmd = fit_cmd(args, ok)
@@ -180,7 +346,7 @@ def main(argv=None):
     record["wall_s"] = time.time() - t_start
     record["run_wall_s"] = sum(r.get("wall_s", 0.0) for r in record["runs"])
     _write_json(os.path.join(workdir, "sweep.json"), record)
-    runs_info = [dict(r, metrics=_run_summary(r["workdir"])) for r in record["runs"] if r.get("rc") == 0]
+    runs_info = [dict(r, metrics=_run_summary(r["workdir"])) for r in record["runs"] if r["workdir"] in ok]
     write_curves(runs_info, args.axis, os.path.join(workdir, "curves.png"))
     text = comparison_markdown(fit, runs_info, failed, record, args)
     with open(os.path.join(workdir, "comparison.md"), "w") as f:
@@ -308,6 +474,12 @@ def comparison_markdown(fit, runs_info, failed, record, args):
             warn = f" ({p['warning']})" if p.get("warning") else ""
             lines.append(f"- {p['a']} vs {p['b']}: {p['winner']} ({p['rule']}; P(A_{p['a']} > A_{p['b']}) = "
                          f"{p['p_A_greater']:.2f}){warn}")
+    for label, p in record.get("pruned", {}).items():
+        lines += ["", f"Pruned {label} (--prune): {p['reason']}; its unfinished runs stopped, its queued seeds not started."]
+    if record.get("compute_saved"):
+        cs = record["compute_saved"]
+        lines += ["", f"Pruning left {cs['saved_frac']:.0%} of the planned compute unspent "
+                      f"({cs['saved_flops']:.3g} of {cs['planned_flops']:.3g} FLOPs)."]
     if failed:
         lines += ["", f"Failed runs (see their run.log): {', '.join(failed)}"]
     lines += ["", "Figures: `curves.png` (raw curves), `fit/fit_<recipe>.png` (fit, band, extrapolation), "

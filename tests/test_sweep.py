@@ -92,7 +92,8 @@ def test_sweep_runs_fits_and_writes_the_comparison(tmp_path):
     fake.write_text(FAKE_PYTHON.format(python=sys.executable))
     fake.chmod(fake.stat().st_mode | stat.S_IEXEC)
     out = tmp_path / "sweep"
-    argv = ["--recipes=scalerl,grpo", "--seeds=2", f"--workdir={out}", f"--python={fake}", "--fit_args=--n-boot=40"]
+    argv = ["--recipes=scalerl,grpo", "--seeds=2", f"--workdir={out}", f"--python={fake}", "--fit_args=--n-boot=40",
+            "--poll_s=0.1"]
     assert sweep.main(argv) == 0
     calls = (out / "calls.log").read_text().split()
     assert calls == [str(out / "warmstart")] + [str(out / r / f"seed{s}") for s in (0, 1) for r in ("scalerl", "grpo")]
@@ -110,3 +111,54 @@ def test_sweep_runs_fits_and_writes_the_comparison(tmp_path):
     assert (out / "calls.log").read_text().split() == calls
     assert (out / "comparison.md").read_text().split("in all")[1].split("\n", 1)[1] == \
         text.split("in all")[1].split("\n", 1)[1]
+
+
+SLOW_FAKE_PYTHON = r'''#!{python}
+"""Stand-in interpreter: run.py writes a synthetic curve one eval at a time and, like the
+trainer, exits 75 on SIGTERM."""
+import json, math, os, signal, sys, time
+script, args = sys.argv[1], sys.argv[2:]
+if not script.endswith("run.py"):
+    os.execv({python!r}, [{python!r}, script, *args])
+signal.signal(signal.SIGTERM, lambda *_: sys.exit(75))
+flags = dict(a[2:].split("=", 1) for a in args if a.startswith("--") and "=" in a)
+wd = flags["workdir"]
+os.makedirs(wd, exist_ok=True)
+if wd.endswith("warmstart"):
+    os.makedirs(os.path.join(wd, "warmstart", "params"))
+    sys.exit(0)
+arg = dict(kv.split("=") for kv in flags["config"].split(":", 1)[1].split(","))
+A = {{"scalerl": 0.6, "grpo": 0.3}}[arg["recipe"]]
+json.dump({{"recipe": arg["recipe"], "seed": int(arg["seed"]), "steps": 240}}, open(os.path.join(wd, "config.json"), "w"))
+with open(os.path.join(wd, "metrics.jsonl"), "w") as f:
+    for i in range(25):
+        c = i * 4e9
+        y = 0.1 + (A - 0.1) / (1 + (2e10 / c) ** 1.8) if c else 0.1
+        f.write(json.dumps({{"step": i * 10, "compute_flops": c, "eval/pass_rate": y + 0.003 * math.sin(7 * i)}}) + "\n")
+        f.flush()
+        time.sleep(0.4)
+'''
+
+
+def test_prune_stops_a_recipe_the_law_rules_out(tmp_path):
+    fake = tmp_path / "fakepy"
+    fake.write_text(SLOW_FAKE_PYTHON.format(python=sys.executable))
+    fake.chmod(fake.stat().st_mode | stat.S_IEXEC)
+    out = tmp_path / "sweep"
+    argv = ["--recipes=scalerl,grpo", "--seeds=2", f"--workdir={out}", f"--python={fake}", "--jobs=2", "--prune",
+            "--prune_boot=100", "--poll_s=0.2", "--fit_args=--n-boot=40"]
+    assert sweep.main(argv) == 0
+    record = json.loads((out / "sweep.json").read_text())
+    assert list(record["pruned"]) == ["grpo"]
+    assert "grpo's A" not in record["pruned"]["grpo"]["reason"] and "scalerl's A >=" in record["pruned"]["grpo"]["reason"]
+    runs = {(r["label"], r["seed"]): r for r in record["runs"]}
+    assert runs[("scalerl", 0)]["rc"] == 0 and runs[("scalerl", 1)]["rc"] == 0
+    assert runs[("grpo", 0)]["rc"] == 75 and runs[("grpo", 0)]["pruned"]  # stopped mid-run ...
+    n_evals = sum("eval/pass_rate" in line for line in open(out / "grpo" / "seed0" / "metrics.jsonl"))
+    assert 3 <= n_evals < 25
+    assert runs[("grpo", 1)]["rc"] is None and not (out / "grpo" / "seed1").exists()  # ... and never started
+    saved = record["compute_saved"]
+    # planned: 4 runs x 240 steps x 4e8 FLOPs/step; saved: grpo seed1 whole and the rest of seed0
+    assert saved["planned_flops"] == pytest.approx(4 * 240 * 4e8)
+    assert saved["saved_flops"] == pytest.approx(240 * 4e8 + (24 - n_evals + 1) * 4e9, rel=1e-6)
+    assert "Pruned grpo" in (out / "comparison.md").read_text()
