@@ -14,7 +14,10 @@ with --init_checkpoint=PATH), DIR/<label>/seed<k> (one launch/run.py workdir eac
 run.log; a finished run is skipped when the sweep is re-run, an interrupted one resumes),
 DIR/fit (launch/fit.py: fit.json, per-recipe fits, asymptotes.png, heatmap.png),
 DIR/curves.png (raw held-out pass rate against compute), DIR/comparison.md (the table),
-DIR/sweep.json (commands, wall times, exit codes).
+DIR/sweep.json (commands, wall times, exit codes). With --name=NAME these four are fit_NAME/,
+curves_NAME.png, comparison_NAME.md and sweep_NAME.json: comparisons that share runs (ScaleRL's
+seeds are the reference of the leave-one-out table and of the batch-size axis) share one DIR.
+A spec's `+key=value` without a dot is a config-file arg (tiny: `scalerl+prompts=64`).
 --dry_run prints the commands (warm start first, then the runs, which are independent and can
 go to a cluster in parallel, then the fit) and runs nothing.
 --jobs=N runs N at once, each pinned to its share of the cores (on 2 cores, 2 one-core runs
@@ -57,6 +60,8 @@ def parse_args(argv=None):
     ap.add_argument("--extra", default="", help="more --config.* overrides for every run (one string)")
     ap.add_argument("--init_checkpoint", default="", help="params to start every run from (default: a shared warm start)")
     ap.add_argument("--dry_run", action="store_true", help="print the commands, run nothing")
+    ap.add_argument("--name", default="", help="a name for this comparison: its outputs are fit_NAME/, comparison_NAME.md, "
+                    "sweep_NAME.json, curves_NAME.png, so several comparisons share the runs of one DIR")
     ap.add_argument("--jobs", type=int, default=1, help="runs at once, each pinned to its share of the CPU cores")
     ap.add_argument("--prune", action="store_true",
                     help="refit at every eval; stop a recipe once its A's 95%% upper bound is below the best's lower bound")
@@ -75,14 +80,19 @@ def parse_recipes(text):
         name, *fields = spec.split("+")
         if name not in common.RECIPES:
             raise SystemExit(f"--recipes: unknown recipe {name!r}; valid recipes: {', '.join(sorted(common.RECIPES))}")
-        overrides = []
+        overrides, config_args = [], {}
         for f in fields:
-            if "=" not in f or "." not in f.split("=", 1)[0]:
-                raise SystemExit(f"--recipes: ablation {f!r} in {spec!r} must look like section.field=value")
-            overrides.append(f"--config.{f}")
+            if "=" not in f:
+                raise SystemExit(f"--recipes: ablation {f!r} in {spec!r} must look like section.field=value "
+                                 "(a config override) or key=value (a config-file arg, e.g. prompts=64)")
+            key, value = f.split("=", 1)
+            if "." in key:
+                overrides.append(f"--config.{f}")
+            else:
+                config_args[key] = value
         if fields:
             overrides.append(f"--config.recipe={spec}")  # the label the fitter groups seeds by
-        specs.append((spec, name, overrides))
+        specs.append((spec, name, overrides, config_args))
     labels = [s[0] for s in specs]
     if not specs or len(set(labels)) != len(labels):
         raise SystemExit(f"--recipes: give distinct recipes, got {text!r}")
@@ -94,6 +104,20 @@ def _config_flag(config, **args):
     merged = dict(common.parse_arg(arg))
     merged.update({k: str(v) for k, v in args.items()})
     return f"--config={path}:" + ",".join(f"{k}={v}" for k, v in merged.items())
+
+
+def _check_config_arg(flag, label):
+    """Build the config of `--config=PATH:ARGS` (ml_collections only, no jax) to surface bad args."""
+    import importlib.util
+
+    path, _, arg = flag.removeprefix("--config=").partition(":")
+    spec = importlib.util.spec_from_file_location("sweep_config", os.path.join(ROOT, path))
+    module = importlib.util.module_from_spec(spec)
+    try:
+        spec.loader.exec_module(module)
+        module.get_config(arg)
+    except (ValueError, KeyError, AttributeError) as e:
+        raise SystemExit(f"--recipes: {label!r} gives {path} the config args {arg!r}: {e}") from None
 
 
 def plan(args):
@@ -110,19 +134,27 @@ def plan(args):
         init = paths.join(ws_dir, "warmstart", "params")
         warm = [args.python, run_py, _config_flag(args.config, recipe=specs[0][1], seed=0), f"--workdir={ws_dir}",
                 *extra, "--config.steps=1", "--config.eval_every=1", "--config.checkpoint_every=1"]
+    for label, name, _, config_args in specs:  # a bad config-file arg fails here, not runs later
+        _check_config_arg(_config_flag(args.config, recipe=name, seed=0, **config_args), label)
     runs = []
     for seed in range(args.seeds):  # seed-major: a complete comparison exists after the first pass
-        for label, name, overrides in specs:
+        for label, name, overrides, config_args in specs:
             wd = paths.join(workdir, label, f"seed{seed}")
-            cmd = [args.python, run_py, _config_flag(args.config, recipe=name, seed=seed), f"--workdir={wd}",
+            cmd = [args.python, run_py, _config_flag(args.config, recipe=name, seed=seed, **config_args), f"--workdir={wd}",
                    f"--config.init_checkpoint={init}", *overrides, *extra]
             runs.append((label, seed, wd, cmd))
     return warm, runs, init
 
 
+def output(args, filename):
+    """DIR/filename, or DIR/stem_NAME.ext for a named comparison (--name)."""
+    stem, ext = os.path.splitext(filename)
+    return paths.join(paths.resolve(args.workdir), f"{stem}_{args.name}{ext}" if args.name else filename)
+
+
 def fit_cmd(args, workdirs):
     return [args.python, os.path.join(ROOT, "launch", "fit.py"), *workdirs,
-            f"--out={paths.join(args.workdir, 'fit')}", f"--axis={args.axis}",
+            f"--out={output(args, 'fit')}", f"--axis={args.axis}",
             *shlex.split(args.fit_args)]
 
 
@@ -214,7 +246,7 @@ def schedule(args, runs, record, workdir):
     def save():
         record["runs"] = [entries[i] for i in sorted(entries)]
         record["pruned"] = pruned
-        _write_json(os.path.join(workdir, "sweep.json"), record)
+        _write_json(output(args, "sweep.json"), record)
 
     while queue or running:
         free = [k for k in range(len(slots)) if k not in running]
@@ -339,20 +371,20 @@ def main(argv=None):
     fit = None
     if ok:
         cmd = fit_cmd(args, ok)
-        rc, wall = _run(cmd, os.path.join(workdir, "fit", "fit.log"))
+        rc, wall = _run(cmd, os.path.join(output(args, "fit"), "fit.log"))
         record["fit"] = {"cmd": shlex.join(cmd), "rc": rc, "wall_s": wall}
-        fit_path = os.path.join(workdir, "fit", "fit.json")
+        fit_path = os.path.join(output(args, "fit"), "fit.json")
         fit = json.load(open(fit_path)) if os.path.exists(fit_path) else None
     record["wall_s"] = time.time() - t_start
     record["run_wall_s"] = sum(r.get("wall_s", 0.0) for r in record["runs"])
-    _write_json(os.path.join(workdir, "sweep.json"), record)
+    _write_json(output(args, "sweep.json"), record)
     runs_info = [dict(r, metrics=_run_summary(r["workdir"])) for r in record["runs"] if r["workdir"] in ok]
-    write_curves(runs_info, args.axis, os.path.join(workdir, "curves.png"))
+    write_curves(runs_info, args.axis, output(args, "curves.png"))
     text = comparison_markdown(fit, runs_info, failed, record, args)
-    with open(os.path.join(workdir, "comparison.md"), "w") as f:
+    with open(output(args, "comparison.md"), "w") as f:
         f.write(text)
     print(text)
-    print(f"wrote {os.path.join(workdir, 'comparison.md')}")
+    print(f"wrote {output(args, 'comparison.md')}")
     return 1 if failed else 0
 
 
@@ -482,8 +514,9 @@ def comparison_markdown(fit, runs_info, failed, record, args):
                       f"({cs['saved_flops']:.3g} of {cs['planned_flops']:.3g} FLOPs)."]
     if failed:
         lines += ["", f"Failed runs (see their run.log): {', '.join(failed)}"]
-    lines += ["", "Figures: `curves.png` (raw curves), `fit/fit_<recipe>.png` (fit, band, extrapolation), "
-              "`fit/asymptotes.png`, `fit/heatmap.png`; numbers: `fit/fit.json`, `sweep.json`.", ""]
+    fit_dir, curves, sweep_json = (os.path.basename(output(args, f)) for f in ("fit", "curves.png", "sweep.json"))
+    lines += ["", f"Figures: `{curves}` (raw curves), `{fit_dir}/fit_<recipe>.png` (fit, band, extrapolation), "
+              f"`{fit_dir}/asymptotes.png`, `{fit_dir}/heatmap.png`; numbers: `{fit_dir}/fit.json`, `{sweep_json}`.", ""]
     return "\n".join(lines)
 
 

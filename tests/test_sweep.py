@@ -26,12 +26,16 @@ sweep = _load_sweep()
 
 
 def test_dry_run_prints_warm_start_runs_and_fit(tmp_path, capsys):
-    rc = sweep.main(["--config=configs/tiny.py:samples=7680", "--recipes=scalerl,grpo+rl.adv_norm=none", "--seeds=2",
+    rc = sweep.main(["--config=configs/tiny.py:samples=7680", "--recipes=scalerl,grpo+rl.adv_norm=none,scalerl+prompts=64",
+                     "--seeds=2",
                      f"--workdir={tmp_path}", "--extra=--config.eval.num_prompts=64", "--dry_run"])
     assert rc == 0
     cmds = [shlex.split(line) for line in capsys.readouterr().out.splitlines() if not line.startswith("#")]
     assert not os.listdir(tmp_path)  # nothing ran
-    warm, runs, fit = cmds[0], cmds[1:5], cmds[5]
+    warm, runs, fit = cmds[0], [c for c in cmds[1:7] if "prompts=64" not in c[2]], cmds[7]
+    batch = [c for c in cmds[1:7] if "prompts=64" in c[2]]
+    assert [c[2] for c in batch] == [f"--config=configs/tiny.py:samples=7680,recipe=scalerl,seed={s},prompts=64" for s in (0, 1)]
+    assert f"--workdir={tmp_path}/scalerl+prompts=64/seed1" in batch[1] and "--config.recipe=scalerl+prompts=64" in batch[1]
     assert warm[1].endswith("launch/run.py") and "--config.steps=1" in warm
     assert warm[2] == "--config=configs/tiny.py:samples=7680,recipe=scalerl,seed=0"
     init = f"--config.init_checkpoint={tmp_path}/warmstart/warmstart/params"
@@ -43,12 +47,14 @@ def test_dry_run_prints_warm_start_runs_and_fit(tmp_path, capsys):
         assert cmd[-1] == "--config.eval.num_prompts=64"
         if "+" in label:
             assert "--config.rl.adv_norm=none" in cmd and f"--config.recipe={label}" in cmd
-    assert fit[1].endswith("launch/fit.py") and f"--out={tmp_path}/fit" in fit and len(fit) == 2 + 4 + 2
+    assert fit[1].endswith("launch/fit.py") and f"--out={tmp_path}/fit" in fit and len(fit) == 2 + 6 + 2
 
 
 @pytest.mark.parametrize("recipes, message", [
     ("scalerl,dapoo", "unknown recipe 'dapoo'; valid recipes: dapo, grpo, magistral, minimax, scalerl"),
-    ("scalerl+adv_norm=none", "must look like section.field=value"),
+    ("scalerl+rl.adv_norm", "must look like section.field=value"),
+    ("scalerl+adv_norm=none", r"unknown config arg\(s\) \['adv_norm'\]"),
+    ("scalerl+prompts=0", "prompts=0 must be positive"),
     ("grpo,grpo", "give distinct recipes"),
 ])
 def test_bad_recipe_specs_fail_clearly(tmp_path, recipes, message):
@@ -162,3 +168,20 @@ def test_prune_stops_a_recipe_the_law_rules_out(tmp_path):
     assert saved["planned_flops"] == pytest.approx(4 * 240 * 4e8)
     assert saved["saved_flops"] == pytest.approx(240 * 4e8 + (24 - n_evals + 1) * 4e9, rel=1e-6)
     assert "Pruned grpo" in (out / "comparison.md").read_text()
+
+
+def test_named_comparison_reuses_the_runs_of_its_directory(tmp_path):
+    fake = tmp_path / "fakepy"
+    fake.write_text(FAKE_PYTHON.format(python=sys.executable))
+    fake.chmod(fake.stat().st_mode | stat.S_IEXEC)
+    out = tmp_path / "sweep"
+    common = [f"--workdir={out}", f"--python={fake}", "--fit_args=--n-boot=40", "--poll_s=0.1", "--seeds=2"]
+    assert sweep.main(["--recipes=scalerl,grpo", *common]) == 0
+    calls = (out / "calls.log").read_text().split()
+    assert sweep.main(["--recipes=scalerl,grpo+rl.adv_norm=none", "--name=loo", *common]) == 0
+    new_calls = (out / "calls.log").read_text().split()[len(calls):]
+    assert new_calls == [str(out / "grpo+rl.adv_norm=none" / f"seed{s}") for s in (0, 1)]  # scalerl's seeds reused
+    loo = (out / "comparison_loo.md").read_text()
+    assert "| grpo+rl.adv_norm=none |" in loo and "| grpo |" not in loo and "`fit_loo/fit.json`" in loo
+    assert (out / "fit_loo" / "fit.json").exists() and (out / "sweep_loo.json").exists()
+    assert "| grpo |" in (out / "comparison.md").read_text()  # the first comparison is left as it was
