@@ -24,7 +24,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import numpy as np  # noqa: E402
 
 from rl_scaling import paths as files  # noqa: E402  (local or gs://)
-from rl_scaling.scaling import api, compare, io, plots  # noqa: E402
+from rl_scaling.scaling import api, compare, io, noise, plots  # noqa: E402
 from rl_scaling.scaling.errors import ScalingDataError  # noqa: E402
 
 
@@ -60,7 +60,11 @@ def parse_args(argv=None):
                          "predict the rest; 0 skips the check")
     ap.add_argument("--predict-at", default="", help="comma-separated compute values to predict")
     ap.add_argument("--budgets", default="", help="heat-map budgets; default 0.25x..8x the largest compute")
-    ap.add_argument("--margin", type=float, default=0.02, help="the paper's margin on A for comparisons")
+    ap.add_argument("--margin", default="auto",
+                    help="margin on A for comparisons: a number, or 'auto' = the larger of the paper's 0.02 and the "
+                         "margin the seed-to-seed spread supports")
+    ap.add_argument("--noise", default="", help="eval-to-eval noise measured by launch/eval_noise.py (noise.json), "
+                                                "reported next to the seed-to-seed spread")
     ap.add_argument("--a-grid", default="", help="grid method: A grid lo:hi:step (default 0.45:0.8:0.005)")
     ap.add_argument("--cmid-grid", default="", help="grid method: C_mid grid lo:hi:n (default the paper's, rescaled)")
     ap.add_argument("--grid-unit", default=None,
@@ -68,7 +72,14 @@ def parse_args(argv=None):
                          "rescaled by (largest compute / 16000)")
     ap.add_argument("--log-x", action="store_true", help="log compute axis in the per-run figures")
     ap.add_argument("--seed", type=int, default=0)
-    return ap.parse_args(argv)
+    args = ap.parse_args(argv)
+    if args.margin != "auto":
+        try:
+            if float(args.margin) < 0:
+                raise ValueError
+        except ValueError:
+            ap.error(f"--margin={args.margin!r}: give 'auto' or a number >= 0")
+    return args
 
 
 def _slug(name):
@@ -113,8 +124,9 @@ def run(args):
                           "shown": {r.name: shown[i].tolist() for i, r in enumerate(results)}}
         _figure(plots.plot_asymptotes, files.join(args.out, "asymptotes.png"), results)
         _figure(plots.plot_heatmap, files.join(args.out, "heatmap.png"), results, budgets)
+    out["noise"] = _noise(args, io.group_runs(runs))
     if len(results) >= 2:
-        cmp_ = compare.compare_recipes(results, args.margin)
+        cmp_ = compare.compare_recipes(results, out["noise"]["margin_used"])
         out["comparison"] = cmp_
         for p in cmp_["pairs"]:
             print(f"{p['a']} vs {p['b']}: {p['winner']} ({p['rule']})")
@@ -125,6 +137,26 @@ def run(args):
     files.write_text(files.join(args.out, "fit.json"), json.dumps(out, indent=1, default=_json_default))
     print(f"wrote {files.join(args.out, 'fit.json')}")
     return out, failed
+
+
+def _noise(args, groups):
+    """Seed-to-seed spread, eval-to-eval noise (--noise) and the margin on A they support."""
+    spread = noise.seed_spread(groups)
+    margin, why = noise.choose_margin(args.margin, spread)
+    out = {"seed_sd": spread["sd"], "seed_df": spread["df"], "plateau_tail": spread["tail"],
+           "per_recipe": spread["per_recipe"], "margin_paper": noise.PAPER_MARGIN, "margin_used": margin,
+           "margin_source": why, "margin_from_seeds": None}
+    if spread["sd"] is not None:
+        out["margin_from_seeds"] = noise.margin_from_seeds(spread["sd"], spread["seeds_per_recipe"])
+        print(f"seed-to-seed sd of the plateaus (last {spread['tail']:.0%} of compute): {spread['sd']:.4f} "
+              f"({spread['df']} df); margin on A from {spread['seeds_per_recipe']} seeds: {out['margin_from_seeds']:.4f}")
+    if args.noise:
+        ev = json.loads(files.read_text(files.resolve(args.noise)))
+        out["eval_sd_measured"], out["eval_sd_binomial"] = ev["sd_measured_pooled"], ev["sd_binomial_pooled"]
+        print(f"eval-to-eval sd on the fixed prompt set: {ev['sd_measured_pooled']:.4f} measured "
+              f"(binomial {ev['sd_binomial_pooled']:.4f}; {args.noise})")
+    print(f"margin on A: {margin:.4f} ({why}; the paper's {noise.PAPER_MARGIN})")
+    return out
 
 
 def _figure(plot, path, *args, **kw):

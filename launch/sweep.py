@@ -153,8 +153,10 @@ def output(args, filename):
 
 
 def fit_cmd(args, workdirs):
+    noise_json = paths.join(paths.resolve(args.workdir), "noise.json")  # launch/eval_noise.py's, when measured
     return [args.python, os.path.join(ROOT, "launch", "fit.py"), *workdirs,
             f"--out={output(args, 'fit')}", f"--axis={args.axis}",
+            *([f"--noise={noise_json}"] if os.path.exists(noise_json) else []),
             *shlex.split(args.fit_args)]
 
 
@@ -495,6 +497,18 @@ def comparison_markdown(fit, runs_info, failed, record, args):
                      f"{_fmt(avg('truncation_rate'))} | {_fmt(avg('interruption_rate'))} | "
                      f"{_fmt(avg('rho_abs_dev_first_mb'), '.2e')} | {_fmt(avg('keep_frac'), '.2f')} | "
                      f"{_fmt(avg('npr_removed'), '.0f')} | {_fmt(sum(walls) / len(walls) / 60, '.1f')} |")
+    nz = (fit or {}).get("noise")
+    if nz:
+        parts = []
+        if nz.get("seed_sd") is not None:
+            parts.append(f"seed-to-seed sd of the plateaus (mean pass rate over the last {nz['plateau_tail']:.0%} of "
+                         f"compute) {nz['seed_sd']:.4f} ({nz['seed_df']} df), a margin on A of "
+                         f"{nz['margin_from_seeds']:.4f}")
+        if nz.get("eval_sd_measured") is not None:
+            parts.append(f"eval-to-eval sd of one checkpoint on the fixed prompt set {nz['eval_sd_measured']:.4f} "
+                         f"(binomial {nz['eval_sd_binomial']:.4f}; `noise.json`, launch/eval_noise.py)")
+        lines += ["", "Noise: " + "; ".join(parts + [f"the comparisons use a margin of {nz['margin_used']:.4f} "
+                                                     f"({nz['margin_source']}; the paper's {nz['margin_paper']})"]) + "."]
     cmp_ = (fit or {}).get("comparison")
     if cmp_:
         rank = ("Ranking (the paper's rule: A within the 0.02 margin -> refit with the mean A and compare B): "
