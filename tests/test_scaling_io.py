@@ -31,9 +31,12 @@ def test_jsonl_axes_and_seed_grouping(tmp_path):
     for k in range(3):
         write_workdir(tmp_path / "results" / "scalerl" / f"seed{k}", seed_offset=0.001 * k)
     write_workdir(tmp_path / "results" / "other_run", A=0.5)
+    # a sweep's shared warm start (a 1-step run of scalerl seed 0) is the base model, not a run
+    write_workdir(tmp_path / "results" / "warmstart", config={"recipe": "scalerl", "seed": 0})
     runs = io.load_inputs([str(tmp_path / "results")], axis="flops")
     groups = io.group_runs(runs)
     assert sorted(groups) == ["other_run", "scalerl"]
+    assert len(io.load_inputs([str(tmp_path / "results" / "warmstart")])) == 1  # named, it loads
     assert [r.seed for r in groups["scalerl"]] == ["0", "1", "2"]
     r = groups["scalerl"][0]
     assert r.compute[0] == 0 and r.compute.size == 21 and r.compute[-1] == 2000e12

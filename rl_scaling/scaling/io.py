@@ -249,6 +249,13 @@ def load_inputs(paths, axis="flops"):
     return runs
 
 
+def _in_warmstart(found, root):
+    """A `warmstart` directory below the searched root: a sweep's shared warm start (launch/sweep.py),
+    the base model every run starts from, not a run to fit. Named explicitly, it still loads."""
+    rel = os.path.relpath(str(found), str(root)) if "://" not in str(root) else str(found)[len(str(root)):]
+    return "warmstart" in rel.strip("/").split("/")[:-1]
+
+
 def _load_one(path, axis):
     if files.isfile(path):
         if path.endswith(".csv"):
@@ -264,10 +271,11 @@ def _load_one(path, axis):
         return load_jsonl(files.join(path, "metrics.jsonl"), axis)
     if files.glob(files.join(path, "*tfevents*")):
         return load_tensorboard(path, axis)
-    found = files.glob(files.join(path, "**", "metrics.jsonl"))
+    found = [f for f in files.glob(files.join(path, "**", "metrics.jsonl")) if not _in_warmstart(f, path)]
     if found:
         return [r for f in found for r in load_jsonl(f, axis)]
-    events = sorted({files.dirname(f) for f in files.glob(files.join(path, "**", "*tfevents*"))})
+    events = sorted({files.dirname(f) for f in files.glob(files.join(path, "**", "*tfevents*"))
+                     if not _in_warmstart(f, path)})
     if events:
         return [r for d in events for r in load_tensorboard(d, axis)]
     raise ScalingDataError(f"{path}: no metrics.jsonl, event files or CSV found under it")
