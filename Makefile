@@ -42,6 +42,24 @@ test-aot: $(BIN)/.installed-tpu
 	JAX_PLATFORMS=cpu $(BIN)/python -m pytest -n 2 -q -m "slow or not slow" tests/test_dry_run.py
 	JAX_PLATFORMS=cpu $(BIN)/python -m pytest -n 2 -q -m slow tests/test_distributed.py
 
+# The shipped law result (notebooks/results): recipes x 3 seeds at a saturating 768k-sample budget,
+# the leave-one-out table, the batch-size axis and the FP32-head pair (bfloat16 body), two runs at
+# a time on 2 cores. Every command skips finished runs and resumes interrupted ones; the eval
+# noise is measured once from the first seed's last checkpoints. ~3 h on a quiet 2-core machine.
+RESULTS ?= notebooks/results
+LAW = --config=configs/tiny.py:samples=768000,evals=24 --jobs=2 --workdir=$(RESULTS)
+LOO = scalerl,scalerl+rl.loss=ppo_clip+rl.eps_low=0.2+rl.eps_high=0.26,scalerl+rl.aggregation=sample,scalerl+rl.adv_norm=group,scalerl+rl.zero_var_filter=False,scalerl+rl.no_positive_resampling=False,scalerl+rollout.length_control=none
+results: venv
+	JAX_PLATFORMS=cpu $(BIN)/python launch/sweep.py $(LAW) --recipes=scalerl,minimax,dapo,grpo,magistral --seeds=3
+	test -f $(RESULTS)/noise.json || JAX_PLATFORMS=cpu $(BIN)/python launch/eval_noise.py --repeats=8 \
+		--out=$(RESULTS)/noise.json $(foreach r,scalerl minimax dapo grpo magistral,$(RESULTS)/$(r)/seed0)
+	JAX_PLATFORMS=cpu $(BIN)/python launch/sweep.py $(LAW) --recipes=scalerl,minimax,dapo,grpo,magistral --seeds=3
+	JAX_PLATFORMS=cpu $(BIN)/python launch/sweep.py $(LAW) --name=loo --seeds=2 --recipes=$(LOO)
+	JAX_PLATFORMS=cpu $(BIN)/python launch/sweep.py $(LAW) --name=batch --seeds=2 \
+		--recipes=scalerl,scalerl+prompts=16,scalerl+prompts=64
+	JAX_PLATFORMS=cpu $(BIN)/python launch/sweep.py $(LAW) --name=fp32 --seeds=2 \
+		--recipes=scalerl+model.dtype=bfloat16,scalerl+model.dtype=bfloat16+rl.fp32_lm_head=False+rollout.fp32_lm_head=False
+
 bench: $(BIN)/.installed-test
 	JAX_PLATFORMS=cpu $(BIN)/python launch/bench.py
 
@@ -51,4 +69,4 @@ bench-peers: $(BIN)/.installed-test
 	bash ../shared/peers/setup.sh
 	JAX_PLATFORMS=cpu $(BIN)/python launch/bench.py --vs_tunix --rounds=5
 
-.PHONY: venv lint run test test-slow test-aot bench bench-peers
+.PHONY: venv lint run test test-slow test-aot results bench bench-peers
