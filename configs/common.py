@@ -92,6 +92,9 @@ def base_config() -> ml_collections.ConfigDict:
         servers="",  # "HOST:PORT,HOST:PORT,...": M `launch/serve.py` engine replicas (failover between them)
         token_file="",  # the rollout servers' shared secret ("" = $RL_SCALING_ROLLOUT_TOKEN, or none)
         weights_dir="",  # "" = push weights over gRPC; a directory (gs:// too) the trainer writes, replicas poll
+        # dtype of the weights sent to the engines (cast on the trainer's devices): "" = the params' own
+        # (bit-exact), "bfloat16" halves the bytes; the LM head stays float32 with fp32_lm_head
+        push_dtype="",
         ledger=False,  # write WORKDIR/rollout_ledger/*.jsonl: the group ids and prompts of every batch
         engine_slots=0,  # max concurrent decodes of the engine; 0 = prompts_per_step x samples_per_prompt
         # Devices (the last ones) the in-process engine gets to itself; the trainer keeps the rest.

@@ -73,6 +73,7 @@ def get_config(arg=None):
     rc.interrupt_phrase = "Okay, time is up. Let me stop thinking and formulate a final answer now. </think>"
     rc.engine_slots = 64
     rc.mode, rc.max_staleness = "pipeline", 8  # PipelineRL-8; set rollout.servers to the replicas
+    rc.push_dtype = "bfloat16"  # weights to the engines in bfloat16 (16 GB, not 32), the LM head float32
     if rc.dynamic_sampling or config.rl.loss == "reinforce":  # recipes that need synchronous generation
         rc.mode = "sync"
     rl = config.rl

@@ -3,7 +3,11 @@
 
 Dispatch: each new prompt group goes to the live replica with the fewest samples outstanding;
 results are fetched from every live replica. Weights go to every replica after each step (a
-gRPC push, in parallel), or are written once to `weights_dir` for the replicas to poll.
+gRPC push, in parallel), or are written once to `weights_dir` for the replicas to poll. Either
+way they are first cast on device to `push_dtype` (wire.cast_for_push: bfloat16 halves the
+bytes; the LM head stays float32 with fp32_lm_head). The gRPC push needs host bytes: one host
+copy of the cast params, kept for replicas that rejoin. The directory is written by Orbax from
+the device arrays (weights_dir.py): no host copy of the whole tree.
 
 Failover: a replica whose RPC fails (its process died, its host is unreachable, its engine
 reports a failure) is marked dead with a logged warning; its groups in flight are re-dispatched
@@ -35,7 +39,8 @@ import numpy as np
 from rl_scaling.rollout import generator as generator_lib
 from rl_scaling.rollout import weights_dir as weights_dir_lib
 from rl_scaling.rollout.errors import RolloutError
-from rl_scaling.rollout.wire import OPTIONS, RESULT_FIELDS, SERVICE, TOKEN_METADATA, pack, unpack, weight_chunks
+from rl_scaling.rollout.wire import (OPTIONS, RESULT_FIELDS, SERVICE, TOKEN_METADATA, cast_for_push,
+                                     check_push_dtype, pack, unpack, weight_chunks)
 
 log = logging.getLogger(__name__)
 
@@ -85,8 +90,11 @@ class RemoteBackend:
     """The pipeline backend interface (see pipeline.EmbeddedBackend) over one or more replicas."""
 
     def __init__(self, servers, *, expected: dict | None = None, reconnect_s: float = 10.0,
-                 rpc_timeout_s: float = 10.0, token: str = "", weights_dir: str = "", probe_s: float = 0.5):
+                 rpc_timeout_s: float = 10.0, token: str = "", weights_dir: str = "", probe_s: float = 0.5,
+                 push_dtype: str = "", fp32_lm_head: bool = True, tie_embeddings: bool = False):
         self.addresses = parse_servers(servers)
+        self.push_dtype = check_push_dtype(push_dtype)
+        self._keep_f32 = {"fp32_lm_head": fp32_lm_head, "tie_embeddings": tie_embeddings}
         if not self.addresses:
             raise ValueError("config.rollout.servers is empty")
         self.expected, self.reconnect_s, self.rpc_timeout_s = expected, reconnect_s, rpc_timeout_s
@@ -265,12 +273,19 @@ class RemoteBackend:
         self._dispatch()
         return out
 
+    def cast(self, params):
+        """`params` as they go to the replicas (on device; see the module doc)."""
+        return cast_for_push(params, self.push_dtype, **self._keep_f32)
+
     def push_weights(self, params, version: int):
+        if isinstance(params, weights_dir_lib.Written):  # every trainer process wrote it (multihost.py)
+            return
+        params = self.cast(params)
+        if self.weights_dir:  # written once, by Orbax from the device arrays; the replicas poll
+            weights_dir_lib.write(self.weights_dir, params, version)
+            return
         host = jax.device_get(params)  # a host copy: the trainer donates its params on the next step
         self._latest = (host, version)
-        if self.weights_dir:  # written once; the replicas poll
-            weights_dir_lib.write(self.weights_dir, host, version)
-            return
         live = [r for r in self.replicas if r.live]
         for r, f in [(r, self._pool.submit(self._push_to, r)) for r in live]:
             try:

@@ -13,8 +13,21 @@ lengths and the pipeline's resume state), as uint8 padded to a multiple of 64 Ki
 shapes to compile). An error in process 0's pipeline is broadcast too, so every process raises
 the same RolloutError instead of waiting forever in the collective.
 
-Weights: `push_weights` gathers the params to host on every process (a collective), then
-process 0 pushes them.
+Weights (`push_weights`, called on every process with the same global params): every process
+first casts its own shards to rollout.push_dtype on its devices (wire.cast_for_push; nothing
+moves). Then
+  - with rollout.weights_dir: every process writes only its own shards of the cast params into
+    the version's Orbax checkpoint (weights_dir.write, collective); process 0 writes LATEST.
+    No process gathers the model to host memory.
+  - by gRPC push: process 0 needs the whole cast model as host bytes (wire.weight_chunks; it
+    keeps them for replicas that rejoin). jax.experimental.multihost_utils has no gather to
+    one process: `process_allgather` (and `broadcast_one_to_all`) hand the result to every
+    process, and every process must take part. So `gather_to_main` gathers piece by piece
+    (<= 256 MiB of one leaf at a time, along its first axis) and only process 0 keeps the
+    pieces: the other processes hold at most one piece at a time beyond their own shards, but
+    each process's devices and host still see every byte of the model go by. For a model
+    whose host copy does not fit on one trainer host (Scout in float32: 431 GB), use the
+    directory channel.
 
 Ledger (`ledger=PATH`): each process appends one JSON line per batch (trainer version, group
 ids, prompts, staleness): an audit trail of what every process trained on.
@@ -29,6 +42,7 @@ import numpy as np
 
 from rl_scaling import distributed, paths
 from rl_scaling.rollout import sampler, wire
+from rl_scaling.rollout import weights_dir as weights_dir_lib
 from rl_scaling.rollout.errors import RolloutError
 from rl_scaling.rollout.pipeline import StepData
 
@@ -65,11 +79,47 @@ def _broadcast_bytes(blob: bytes | None) -> bytes:
     return np.asarray(multihost_utils.broadcast_one_to_all(buf))[:n].tobytes()
 
 
-class BroadcastPipeline:
-    """The Pipeline interface on every trainer process; `pipe` is the real one on process 0, None elsewhere."""
+_GATHER_BYTES = 256 << 20
 
-    def __init__(self, pipe, tokenizer, samples_per_prompt: int, ledger: str = ""):
+
+def gather_to_main(params):
+    """The params as numpy on process 0 (None leaves elsewhere). Every process must call it (the
+    gathers are collectives); see the module doc for what each process holds meanwhile."""
+    from jax.experimental import multihost_utils
+
+    main = jax.process_index() == 0
+
+    def get(x):
+        if not isinstance(x, jax.Array) or x.is_fully_addressable:
+            return np.asarray(x) if main else None
+        if x.sharding.is_fully_replicated:  # process 0 has a whole copy already
+            return np.asarray(x.addressable_data(0)) if main else None
+        if x.ndim == 0:
+            full = np.asarray(multihost_utils.process_allgather(x, tiled=True))
+            return full if main else None
+        out = np.empty(x.shape, x.dtype) if main else None
+        rows = x.shape[0]
+        step = max(1, _GATHER_BYTES // max(1, x.nbytes // max(rows, 1)))
+        for i in range(0, rows, step):
+            piece = np.asarray(multihost_utils.process_allgather(x[i:i + step], tiled=True))
+            if main:
+                out[i:i + step] = piece
+            del piece
+        return out
+
+    return jax.tree.map(get, params)
+
+
+class BroadcastPipeline:
+    """The Pipeline interface on every trainer process; `pipe` is the real one on process 0, None elsewhere.
+    `weights_dir`, `push_dtype`, `fp32_lm_head`, `tie_embeddings`: as config.rollout / the model
+    (the weights every process writes or gathers, see the module doc)."""
+
+    def __init__(self, pipe, tokenizer, samples_per_prompt: int, ledger: str = "", *, weights_dir: str = "",
+                 push_dtype: str = "", fp32_lm_head: bool = True, tie_embeddings: bool = False):
         self.pipe, self.tok, self.G = pipe, tokenizer, samples_per_prompt
+        self.weights_dir, self.push_dtype = weights_dir, wire.check_push_dtype(push_dtype)
+        self._keep_f32 = {"fp32_lm_head": fp32_lm_head, "tie_embeddings": tie_embeddings}
         self.main = jax.process_index() == 0
         if self.main and pipe is None:
             raise ValueError("process 0 needs the pipeline")
@@ -89,9 +139,17 @@ class BroadcastPipeline:
         return int(n[0])
 
     def push_weights(self, params, version: int) -> None:
-        host = distributed.to_host(params)  # a collective: every process takes part
+        if not distributed.multiprocess():  # one process: its backend casts and writes or pushes
+            self.pipe.push_weights(params, version)
+            return
+        params = wire.cast_for_push(params, self.push_dtype, **self._keep_f32)  # each process its own shards
+        if self.weights_dir:
+            weights_dir_lib.write(self.weights_dir, params, version)  # collective: each process its own shards
+            payload = weights_dir_lib.Written(version)
+        else:
+            payload = gather_to_main(params)  # collective: only process 0 keeps the bytes
         if self.pipe is not None:
-            self.pipe.push_weights(host, version)
+            self.pipe.push_weights(payload, version)
 
     def next_batch(self) -> StepData:
         blob = None

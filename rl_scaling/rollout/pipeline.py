@@ -378,6 +378,9 @@ def check_config(config) -> None:
     for name in ("max_staleness", "queue_size", "engine_slots", "engine_devices"):
         if rc[name] < 0:
             raise ValueError(f"config.rollout.{name} must be >= 0, got {rc[name]}")
+    from rl_scaling.rollout import wire
+
+    wire.check_push_dtype(rc.get("push_dtype", ""))
 
 
 def _embedded_split(config) -> int:
@@ -428,7 +431,8 @@ def from_config(config, task, stream, gen_cfg, params, version: int, *, resume: 
 
             backend = client.RemoteBackend(servers, expected=wire.fingerprint(config), reconnect_s=rc.reconnect_s,
                                            token=wire.load_token(rc.get("token_file", "")),
-                                           weights_dir=rc.get("weights_dir", ""))
+                                           weights_dir=rc.get("weights_dir", ""), push_dtype=rc.get("push_dtype", ""),
+                                           fp32_lm_head=rc.fp32_lm_head, tie_embeddings=gen_cfg.tie_embeddings)
         else:
             engine, holder = make_engine(config, gen_cfg, task.tokenizer, engine_devices(config))
             backend = EmbeddedBackend(engine, holder)
@@ -439,7 +443,9 @@ def from_config(config, task, stream, gen_cfg, params, version: int, *, resume: 
     if jax.process_count() > 1 or ledger:
         from rl_scaling.rollout import multihost
 
-        pipe = multihost.BroadcastPipeline(pipe, task.tokenizer, G, ledger=ledger)
+        pipe = multihost.BroadcastPipeline(pipe, task.tokenizer, G, ledger=ledger, weights_dir=rc.get("weights_dir", ""),
+                                           push_dtype=rc.get("push_dtype", ""), fp32_lm_head=rc.fp32_lm_head,
+                                           tie_embeddings=gen_cfg.tie_embeddings)
     try:
         pipe.push_weights(params, version)
     except BaseException:

@@ -261,8 +261,20 @@ class RolloutServer:
         if new_session:  # a new trainer (e.g. resumed from an older checkpoint): its versions start afresh
             self.holder.restart()
             self._weights_session = session
+        # weights in rollout.push_dtype take the engine's own dtypes here (bfloat16 -> float32 is exact)
         leaves = [arrays[key].astype(aval.dtype) for key, aval in zip(self._keys, self._avals)]
         self.holder.set(jax.tree_util.tree_unflatten(self._treedef, leaves), int(version))
+
+    def _restore_target(self):
+        """The params' avals on the engine's shardings: the directory channel restores into them
+        (each device reads its own slices, cast to the engine's dtypes)."""
+        shardings = getattr(self.holder, "shardings", None)
+        if shardings is None:
+            shardings = jax.tree_util.tree_unflatten(
+                self._treedef, [jax.sharding.SingleDeviceSharding(jax.devices()[0])] * len(self._avals))
+        return jax.tree_util.tree_unflatten(self._treedef, [
+            jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sh)
+            for a, sh in zip(self._avals, jax.tree_util.tree_leaves(shardings))])
 
     def _poll_weights(self):
         """The directory channel: load each new version the trainer writes (weights_dir.py)."""
@@ -270,7 +282,7 @@ class RolloutServer:
             try:
                 version = weights_dir_lib.latest(self.weights_dir)
                 if version > self.holder.version:
-                    _, arrays = weights_dir_lib.read(self.weights_dir, version, self._shapes)
+                    _, arrays = weights_dir_lib.read(self.weights_dir, version, self._restore_target())
                     with self._weights_lock:
                         if version > self.holder.version:
                             self._set_weights(arrays, version)

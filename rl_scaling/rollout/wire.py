@@ -7,12 +7,17 @@ anything else, and a failure is `BadRequest` (answered INVALID_ARGUMENT) naming 
 Weights travel leaf by leaf in chunks of at most CHUNK_BYTES, so no message approaches the
 message-size limit whatever the model's size.
 
+Weights on the wire: `cast_for_push` gives the trainer's params in `rollout.push_dtype` (cast on
+the devices that hold them, before any byte leaves the trainer), with the exceptions of
+`keeps_float32`; the receiver casts them to its own avals (server.py `_set_weights`).
+
 Authentication: every RPC carries the shared secret in the `TOKEN_METADATA` gRPC metadata
 entry; `load_token` reads it from the environment (RL_SCALING_ROLLOUT_TOKEN) or a file.
 """
 
 from __future__ import annotations
 
+import functools
 import io
 import json
 import math
@@ -123,6 +128,55 @@ def fingerprint(config) -> dict:
             "max_new_tokens": rc.max_new_tokens, "temperature": rc.temperature,
             "length_control": {k: rc[k] for k in ("length_control", "think_budget_lo", "think_budget_hi",
                                                   "interrupt_phrase", "answer_budget")}}
+
+
+PUSH_DTYPES = ("", "bfloat16", "float32")  # "": the params' own dtype (bit-exact)
+
+
+def check_push_dtype(value) -> str:
+    if value not in PUSH_DTYPES:
+        raise ValueError(f"config.rollout.push_dtype={value!r} is not valid; choose one of {PUSH_DTYPES} "
+                         "(\"\": the params' own dtype)")
+    return value
+
+
+def keeps_float32(path, fp32_lm_head: bool, tie_embeddings: bool = False) -> bool:
+    """Whether the leaf at `path` (a key path of the params tree) stays float32 whatever
+    rollout.push_dtype says: ScaleRL keeps the generator's LM head in float32. In
+    policy/model.py's Decoder that is the top-level param `lm_head` ([d_model, vocab]), or, with
+    tied embeddings, `embed` ([vocab, d_model]), which then is the LM head."""
+    if not fp32_lm_head or not path:
+        return False
+    name = getattr(path[-1], "key", None)
+    return name == "lm_head" or (tie_embeddings and name == "embed")
+
+
+@functools.lru_cache(maxsize=None)
+def _device_cast(dtype, sharding):
+    """A jitted cast that keeps the sharding (compiled once per dtype, sharding and shape)."""
+    return jax.jit(lambda a: a.astype(dtype), out_shardings=sharding)
+
+
+def cast_for_push(params, push_dtype: str, *, fp32_lm_head: bool, tie_embeddings: bool = False):
+    """`params` with each floating leaf in `push_dtype` ("" or the leaf's own dtype: unchanged,
+    the same object), but those `keeps_float32` names. A jax.Array is cast where it lies (each
+    device its own shards: nothing is gathered, the result has the input's sharding; with several
+    processes every process must call this, as with any computation on global arrays); a numpy
+    leaf is cast with numpy."""
+    if not check_push_dtype(push_dtype):
+        return params
+    target = np.dtype(jax.numpy.dtype(push_dtype))
+
+    def cast(path, x):
+        dtype = np.dtype(x.dtype)
+        if (not jax.numpy.issubdtype(dtype, jax.numpy.floating) or dtype == target
+                or keeps_float32(path, fp32_lm_head, tie_embeddings)):
+            return x
+        if isinstance(x, jax.Array):
+            return _device_cast(target, x.sharding)(x)
+        return np.asarray(x).astype(target)
+
+    return jax.tree_util.tree_map_with_path(cast, params)
 
 
 def _leaf_keys(tree):
