@@ -8,6 +8,7 @@ Both two-process runs start RL from one supervised warm start, made once beforeh
 process, as launch/sweep.py's shared base model) and long enough that rewards, losses and
 gradients are not all zero: the comparison then covers real updates."""
 
+import json
 import os
 import re
 import shutil
@@ -117,8 +118,13 @@ def _rows(workdir):
 
 
 def _train_steps(workdir):
+    """Steps of the train rows process 0 has written so far (a line still being written is not one)."""
     path = os.path.join(workdir, "metrics.jsonl")
-    return [r["step"] for r in read_jsonl(path) if "loss" in r] if os.path.exists(path) else []
+    if not os.path.exists(path):
+        return []
+    with open(path) as f:
+        rows = [json.loads(line) for line in f if line.endswith("\n")]
+    return [r["step"] for r in rows if "loss" in r]
 
 
 def _checkpoint_steps(workdir):
