@@ -28,6 +28,8 @@ moves). Then
     each process's devices and host still see every byte of the model go by. For a model
     whose host copy does not fit on one trainer host (Scout in float32: 431 GB), use the
     directory channel.
+With one process, `push_weights` hands the params on unchanged: the backend casts and writes or
+pushes them itself (client.RemoteBackend; an embedded engine takes them as they are).
 
 Ledger (`ledger=PATH`): each process appends one JSON line per batch (trainer version, group
 ids, prompts, staleness): an audit trail of what every process trained on.

@@ -103,6 +103,8 @@ def latest(directory: str) -> int:
 
 def _metadata(vdir: str):
     """The tree of Orbax ArrayMetadata (shape, dtype) of a version's leaves."""
+    if not paths.isdir(vdir):
+        raise wire.BadRequest(f"{vdir} does not exist (removed as older than the newest versions, or not written)")
     ckptr = _checkpointer()
     try:
         meta = ckptr.metadata(paths.path(vdir))
