@@ -47,6 +47,22 @@ def test_paper_rule_refits_with_mean_A_when_within_margin():
     assert table.shape == (2, 2) and table[0, 1] == pytest.approx(a.fit.A, abs=1e-3)
 
 
+def test_no_winner_and_no_ranking_where_the_bootstrap_does_not_separate_them():
+    # same law, independent noise: within the margin, and B alike up to noise
+    a = api.fit_runs([_run("twin_a", 0.60, 2.0, 2500.0, seed=4, noise=0.01)], c_min=0, n_boot=200)
+    b = api.fit_runs([_run("twin_b", 0.60, 2.0, 2500.0, seed=5, noise=0.01)], c_min=0, n_boot=200)
+    pair = compare.compare_pair(a, b)
+    assert pair["rule"].startswith("A within margin") and pair["winner"] == compare.UNDECIDED
+    assert "do not separate" in pair["rule"] and 0.025 < pair["p_B_greater"] < 0.975
+    # A apart by more than a tiny margin, but only by noise: no call either
+    loose = compare.compare_pair(a, b, margin=abs(a.fit.A - b.fit.A) / 2)
+    assert loose["rule"].startswith("A differs") and loose["winner"] == compare.UNDECIDED
+    lo = api.fit_runs([_run("low", 0.500, 2.0, 2500.0, seed=3)], c_min=0, n_boot=200)
+    cmp_ = compare.compare_recipes([a, b, lo])
+    assert cmp_["ranking"] == [] and "twin_a vs twin_b undecided" in cmp_["ranking_note"]
+    assert sorted(cmp_["supported"]) == ["twin_a > low", "twin_b > low"]
+
+
 def test_refit_statuses_and_target():
     assert api.refit([])["status"] == "too_few_points"
     few = api.refit([(0, 0.3), (100, 0.35), (200, 0.4)])

@@ -137,27 +137,43 @@ def blocking(result):
     return [(code, _WHY.get(code, code)) for code, _ in result.flags if code in diagnostics.BLOCKING]
 
 
+SEPARATED = 0.975  # P(x > y) from independent bootstrap replicates: a two-sided 95% call
+
+
+def _p_greater(a, b, key):
+    pa, pb = a.boot.params()[key], b.boot.params()[key]
+    m = min(pa.size, pb.size)
+    return float(np.mean(pa[:m] > pb[:m]))
+
+
 def compare_pair(a, b, margin=0.02):
     """The paper's rule for two results (api.Result): if their A are within the margin, refit both with
     the mean A and compare B (higher B = at least as scalable); otherwise the higher A wins.
-    Undecided when either A is only a lower bound (not identifiable) or either curve is not sigmoidal.
-
-    Also gives the bootstrap probability that a's A exceeds b's (independent replicates).
-    """
+    Undecided when either A is only a lower bound (not identifiable) or either curve is not sigmoidal,
+    and when the bootstrap does not separate the deciding parameter: the winner's A (or B) must exceed
+    the other's in at least 97.5% of independent replicate pairs. (For B that is the free fits'
+    replicates, a proxy for the fixed-A refit's.)"""
     dA = a.fit.A - b.fit.A
-    pa, pb = a.boot.params()["A"], b.boot.params()["A"]
-    m = min(pa.size, pb.size)
-    out = {"a": a.name, "b": b.name, "A_diff": float(dA), "p_A_greater": float(np.mean(pa[:m] > pb[:m]))}
+    out = {"a": a.name, "b": b.name, "A_diff": float(dA), "p_A_greater": _p_greater(a, b, "A")}
     why = sorted({f"{r.name}: {text}" for r in (a, b) for _, text in blocking(r)})
     if why:
         out.update(rule="; ".join(why), winner=UNDECIDED)
-    elif abs(dA) <= margin:
+        return out
+    if abs(dA) <= margin:
         mean_A = (a.fit.A + b.fit.A) / 2.0
         Ba, Bb = (r.refit_fixed({"A": mean_A}).B for r in (a, b))
+        p = _p_greater(a, b, "B")
         out.update(rule="A within margin: refit with mean A, compare B", mean_A=float(mean_A),
-                   B_a=float(Ba), B_b=float(Bb), winner=a.name if Ba >= Bb else b.name)
+                   B_a=float(Ba), B_b=float(Bb), p_B_greater=p)
+        leader, p_leader = (a.name, p) if Ba >= Bb else (b.name, 1.0 - p)
     else:
-        out.update(rule="A differs by more than the margin", winner=a.name if dA > 0 else b.name)
+        out.update(rule="A differs by more than the margin")
+        leader, p_leader = (a.name, out["p_A_greater"]) if dA > 0 else (b.name, 1.0 - out["p_A_greater"])
+    if p_leader >= SEPARATED:
+        out["winner"] = leader
+    else:
+        out.update(winner=UNDECIDED, rule=out["rule"] + f", but the intervals do not separate them "
+                                                         f"(P = {p_leader:.2f} < {SEPARATED} for {leader})")
     return out
 
 
@@ -178,10 +194,20 @@ def compare_recipes(results, margin=0.02):
         out["ranking_note"] = ("no ranking: fewer than two recipes have a measured A; left out: "
                                + "; ".join(left_out))
         return out
+    names = {r.name for r in rankable}
+    among = [p for p in pairs if p["a"] in names and p["b"] in names]
+    out["supported"] = [f"{p['winner']} > {p['b'] if p['winner'] == p['a'] else p['a']}"
+                        for p in among if p["winner"] != UNDECIDED]
+    open_pairs = [f"{p['a']} vs {p['b']}" for p in among if p["winner"] == UNDECIDED]
+    if open_pairs:  # a total order would claim what the intervals leave open
+        out["ranking_note"] = ("no ranking: the intervals leave " + ", ".join(open_pairs) + " undecided; "
+                               + ("supported: " + ", ".join(out["supported"]) if out["supported"]
+                                  else "no pair is separated")
+                               + (("; left out: " + "; ".join(left_out)) if left_out else ""))
+        return out
     wins = {r.name: 0 for r in rankable}
-    for p in pairs:
-        if p["winner"] != UNDECIDED:
-            wins[p["winner"]] += 1
+    for p in among:
+        wins[p["winner"]] += 1
     order = sorted(rankable, key=lambda r: (-wins[r.name], -r.fit.A))
     out["ranking"] = [{"rank": i + 1, "name": r.name, "wins": wins[r.name]} for i, r in enumerate(order)]
     if left_out:
