@@ -78,12 +78,15 @@ class Preemption:
     def agreed(self) -> bool:
         """True when this process or any other of the run has been signalled (a collective with
         several processes: every process calls it once per step)."""
-        local = self.signum is not None
         if jax.process_count() == 1:
-            return local
+            return self.signum is not None
         from jax.experimental import multihost_utils
 
-        flags = multihost_utils.process_allgather(np.array([self.signum or 0], np.int32))
-        if not local and int(np.max(flags)) > 0:
-            self.signum = int(np.max(flags))  # stop (and report) as the signalled process does
-        return self.signum is not None
+        # Decide on what was exchanged, never on self.signum after the exchange: a signal landing
+        # during the allgather would make this process stop while the others, which saw 0, go on
+        # (and meet it in different collectives). Such a signal counts at the next step.
+        mine = self.signum or 0
+        agreed = int(np.max(multihost_utils.process_allgather(np.array([mine], np.int32))))
+        if agreed and not mine and self.signum is None:
+            self.signum = agreed  # stop (and report) as the signalled process does
+        return agreed > 0

@@ -110,3 +110,37 @@ def test_sigterm_saves_the_current_step_and_resumes_bit_exact(tmp_path, code, re
         if not tag.startswith(("compute/accel", "time/")):
             assert got[tag] == want[tag], tag
     assert _tb_steps(work / "tb" / "compute_axis") == _tb_steps(reference / "tb" / "compute_axis")
+
+
+def test_a_signal_during_the_flag_exchange_counts_at_the_next_step_on_every_process(monkeypatch):
+    """Several processes decide on the exchanged flags only: a signal that lands while the
+    allgather runs must not make this process stop alone (the others saw 0 and go on)."""
+    import jax
+    import numpy as np
+    from jax.experimental import multihost_utils
+
+    from rl_scaling import preemption
+
+    p = preemption.Preemption(grace_s=3600)
+    exchanged = []
+
+    def fake_allgather(x):  # stands in for the other process: it was not signalled
+        exchanged.append(int(x[0]))
+        if len(exchanged) == 1:
+            p._handle(signal.SIGTERM, None)  # the signal lands during the first exchange
+        return np.array([[int(x[0])], [0]], np.int32)
+
+    monkeypatch.setattr(jax, "process_count", lambda: 2)
+    monkeypatch.setattr(multihost_utils, "process_allgather", fake_allgather)
+    try:
+        assert p.agreed() is False  # this step: everyone exchanged 0, so everyone goes on
+        assert p.agreed() is True  # the next step: the flag travels, so everyone stops
+        assert exchanged == [0, int(signal.SIGTERM)] and p.signum == signal.SIGTERM
+        other = preemption.Preemption(grace_s=3600)  # a process told by the exchange stops too
+        monkeypatch.setattr(multihost_utils, "process_allgather",
+                            lambda x: np.array([[int(x[0])], [int(signal.SIGTERM)]], np.int32))
+        assert other.agreed() is True and other.signum == signal.SIGTERM
+    finally:
+        p.uninstall()
+        if p._timer is not None:
+            p._timer.cancel()
