@@ -463,21 +463,25 @@ def comparison_markdown(fit, runs_info, failed, record, args):
              f"from the bootstrap). The runs took {record['run_wall_s'] / 60:.1f} min in all (this sweep invocation "
              f"{record['wall_s'] / 60:.1f} min, warm start and fit included) on {os.cpu_count()} CPU core(s).", ""]
     recipes = (fit or {}).get("recipes", {})
-    lines += ["| recipe | A (ceiling) | B (efficiency) | C_mid | R0 | fit points | note |",
-              "|---|---|---|---|---|---|---|"]
+    lines += ["| recipe | A (ceiling) | B (efficiency) | C_mid | R0 | fit points | half-budget fit: last eval vs 95% PI | note |",
+              "|---|---|---|---|---|---|---|---|"]
     for label in labels:
         s = recipes.get(label)
         if s is None or s.get("status", "ok") != "ok":
             msg = (s or {}).get("message", "no fit") if s else "no fit"
-            lines.append(f"| {label} | - | - | - | - | - | fit failed: {msg} |")
+            lines.append(f"| {label} | - | - | - | - | - | - | fit failed: {msg} |")
             continue
         ci = s.get("ci", {})
         a = (f"{_fmt(s['A'])}{_interval(ci, 'A', '.3f')}" if s.get("identifiable")
              else f">= {_fmt(s.get('A_lower_bound'))} (fit {_fmt(s.get('A_fit'))}, not identifiable)")
         note = "; ".join(m for m in s.get("messages", [])[:2])
+        ex = s.get("extrapolation", {})
+        lp = ex.get("last_point") if ex.get("status") == "ok" else None
+        held = (f"{lp['observed']:.3f} {'in' if lp['covered'] else 'OUTSIDE'} [{lp['pi'][0]:.3f}, {lp['pi'][1]:.3f}] "
+                f"(predicted {lp['predicted']:.3f})" if lp else "-")
         lines.append(f"| {label} | {a} | {_fmt(s['B'], '.2f')}{_interval(ci, 'B', '.2f')} | "
                      f"{_fmt(s['C_mid'], '.3g')}{_interval(ci, 'C_mid', '.3g')} | {_fmt(s.get('R0'))} | "
-                     f"{s['window']['n_points']} | {note} |")
+                     f"{s['window']['n_points']} | {held} | {note} |")
     lines += ["", "Per run (means over seeds; rates averaged over the training steps):", "",
               "| recipe | seeds | steps | samples | pass rate start -> end | truncation | interruption | "
               "mean abs(rho-1) first mb | kept prompts | NPR removed | wall min/run |",

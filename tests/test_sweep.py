@@ -109,6 +109,7 @@ def test_sweep_runs_fits_and_writes_the_comparison(tmp_path):
     assert abs(fitted["scalerl"][0] - 0.6) < 0.02 and abs(fitted["grpo"][0] - 0.45) < 0.02  # the synthetic A
     assert all(abs(b - 1.8) < 0.2 for _, b in fitted.values())  # and B
     assert "Ranking" in text and "1. scalerl" in text
+    assert re.search(r"^\| scalerl \|.*\| [0-9.]+ (in|OUTSIDE) \[[0-9.]+, [0-9.]+\] \(predicted [0-9.]+\) \|", text, re.M)
     assert (out / "curves.png").stat().st_size > 0 and (out / "fit" / "fit.json").exists()
     record = json.loads((out / "sweep.json").read_text())
     assert all(r["rc"] == 0 for r in record["runs"]) and record["wall_s"] > 0
