@@ -36,24 +36,6 @@ def parse_args(argv=None):
     return args
 
 
-def per_prompt_rewards(params, gen_cfg, task, problems, config, rng):
-    """[n prompts, s samples] rewards of one evaluation, batched as rl_scaling.evaluate does."""
-    from rl_scaling.rollout import collect
-    import jax
-
-    s = config.eval.samples_per_prompt
-    per_batch = max(config.eval.batch_size // s, 1)
-    out = []
-    for i in range(0, len(problems), per_batch):
-        chunk = problems[i: i + per_batch]
-        chunk = chunk + [chunk[-1]] * (per_batch - len(chunk))
-        *_, r = collect.generate(params, gen_cfg, task, chunk, s, jax.random.fold_in(rng, i),
-                                 max_prompt_len=config.task.max_prompt_len,
-                                 max_new_tokens=config.rollout.max_new_tokens, temperature=config.rollout.temperature)
-        out.append(np.asarray(r).reshape(per_batch, s))
-    return np.concatenate(out)[: len(problems)]
-
-
 def noise_stats(rewards_RNS):
     """The noise figures from R repeated evaluations' [R, n, s] rewards (pure numpy)."""
     R, n, s = rewards_RNS.shape
@@ -69,7 +51,7 @@ def measure(workdir, repeats):
     import jax
     import ml_collections
 
-    from rl_scaling import checkpoint, config as config_lib, paths, sharding, tasks
+    from rl_scaling import checkpoint, config as config_lib, evaluate, paths, sharding, tasks
     from rl_scaling.rl import train_step as ts
 
     config = ml_collections.ConfigDict(json.loads(paths.read_text(paths.join(workdir, "config.json"))))
@@ -86,8 +68,11 @@ def measure(workdir, repeats):
         raise SystemExit(f"{workdir}: no checkpoint to evaluate")
     step, state, _ = found
     base = jax.random.key(10_000 + config.seed)  # keys the trainer's evals (seed + 1) never use
-    rewards = np.stack([per_prompt_rewards(state["params"], gen_cfg, task, problems, config,
-                                           jax.random.fold_in(base, r)) for r in range(repeats)])
+    kw = dict(samples_per_prompt=config.eval.samples_per_prompt, batch_size=config.eval.batch_size,
+              max_prompt_len=config.task.max_prompt_len, max_new_tokens=config.rollout.max_new_tokens,
+              temperature=config.rollout.temperature)  # exactly the trainer's evals
+    rewards = np.stack([evaluate.prompt_rewards(state["params"], gen_cfg, task, problems,
+                                                rng=jax.random.fold_in(base, r), **kw) for r in range(repeats)])
     out = {"workdir": workdir, "step": int(step), **noise_stats(rewards)}
     logged = [json.loads(line) for line in paths.read_text(paths.join(workdir, "metrics.jsonl")).splitlines()
               if line.strip() and "eval/pass_rate_stderr" in line]
