@@ -38,8 +38,7 @@ def main(argv):
     import orbax.checkpoint as ocp
     from tensorboardX import SummaryWriter
 
-    from rl_scaling import checkpoint, config as config_lib, evaluate, metrics as metrics_lib, paths, sharding, tasks, train
-    from rl_scaling.rl import train_step as ts
+    from rl_scaling import evaluate, metrics as metrics_lib, paths, train
     from rl_scaling.scaling import api
 
     workdir = paths.resolve(_WORKDIR.value)  # local or gs://
@@ -55,14 +54,7 @@ def main(argv):
         done = {r["step"]: r for r in metrics_lib.read_records(evals_path)}  # a torn last line is dropped
         paths.write_text(evals_path, "".join(json.dumps(r) + "\n" for r in done.values()))  # and not kept
 
-    mesh = sharding.make_mesh(dict(config.mesh))
-    task = tasks.make_task(config.task, config.seed)
-    gen_cfg = config_lib.model_config(config, config.rollout.fp32_lm_head)
-    problems = task.eval_problems(config.eval.num_prompts)
-    optimizer = ts.make_optimizer(config.optim)
-    state_sh = ts.state_shardings(gen_cfg, optimizer, mesh)
-    abstract = checkpoint.abstract_like(
-        jax.eval_shape(lambda: ts.init_state(gen_cfg, optimizer, jax.random.key(0), mesh, state_sh)), state_sh)
+    mesh, task, gen_cfg, problems, abstract = evaluate.from_workdir_config(config)
     manager = ocp.CheckpointManager(paths.path(paths.join(workdir, "checkpoints")), item_names=("state", "meta"),
                                     options=ocp.CheckpointManagerOptions(read_only=True))
     tb = SummaryWriter(paths.join(out_dir, "tb"))

@@ -51,18 +51,10 @@ def measure(workdir, repeats):
     import jax
     import ml_collections
 
-    from rl_scaling import checkpoint, config as config_lib, evaluate, paths, sharding, tasks
-    from rl_scaling.rl import train_step as ts
+    from rl_scaling import checkpoint, evaluate, paths
 
     config = ml_collections.ConfigDict(json.loads(paths.read_text(paths.join(workdir, "config.json"))))
-    mesh = sharding.make_mesh(dict(config.mesh))
-    task = tasks.make_task(config.task, config.seed)
-    gen_cfg = config_lib.model_config(config, config.rollout.fp32_lm_head)
-    problems = task.eval_problems(config.eval.num_prompts)
-    optimizer = ts.make_optimizer(config.optim)
-    state_sh = ts.state_shardings(gen_cfg, optimizer, mesh)
-    abstract = checkpoint.abstract_like(
-        jax.eval_shape(lambda: ts.init_state(gen_cfg, optimizer, jax.random.key(0), mesh, state_sh)), state_sh)
+    mesh, task, gen_cfg, problems, abstract = evaluate.from_workdir_config(config)
     found = checkpoint.Checkpoints(paths.join(workdir, "checkpoints")).restore_latest(abstract)
     if found is None:
         raise SystemExit(f"{workdir}: no checkpoint to evaluate")

@@ -34,3 +34,21 @@ def pass_rate(params, gen_cfg, task, problems, **kw) -> dict:
     for lvl in np.unique(levels):
         out[f"pass_rate_level{lvl}"] = float(per_prompt[levels == lvl].mean())
     return out
+
+
+def from_workdir_config(config):
+    """What evaluating a run's checkpoints needs, from its config.json (launch/eval_fit.py,
+    launch/eval_noise.py): (mesh, task, generator model config, held-out problems, the abstract
+    train state that Orbax restores into)."""
+    from rl_scaling import checkpoint, config as config_lib, sharding, tasks
+    from rl_scaling.rl import train_step as ts
+
+    mesh = sharding.make_mesh(dict(config.mesh))
+    task = tasks.make_task(config.task, config.seed)
+    gen_cfg = config_lib.model_config(config, config.rollout.fp32_lm_head)
+    problems = task.eval_problems(config.eval.num_prompts)
+    optimizer = ts.make_optimizer(config.optim)
+    state_sh = ts.state_shardings(gen_cfg, optimizer, mesh)
+    abstract = checkpoint.abstract_like(
+        jax.eval_shape(lambda: ts.init_state(gen_cfg, optimizer, jax.random.key(0), mesh, state_sh)), state_sh)
+    return mesh, task, gen_cfg, problems, abstract
