@@ -26,3 +26,16 @@ def tiny_params():
     from flax import linen as nn
 
     return nn.unbox(model_lib.init_params(TINY, jax.random.key(0)))
+
+
+@pytest.fixture(scope="module")
+def code(tmp_path_factory):
+    """A copy of the code that subprocess runs execute (rl_scaling, configs, launch), taken once per
+    module: every run of a comparison runs the same code even while the checkout changes."""
+    import shutil
+
+    checkout = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    root = tmp_path_factory.mktemp("code")
+    for name in ("rl_scaling", "configs", "launch"):
+        shutil.copytree(os.path.join(checkout, name), root / name, ignore=shutil.ignore_patterns("__pycache__"))
+    return root

@@ -11,7 +11,6 @@ gradients are not all zero: the comparison then covers real updates."""
 import json
 import os
 import re
-import shutil
 import signal
 import socket
 import subprocess
@@ -23,6 +22,7 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "tests"))
 
+from test_preemption import TIMING  # noqa: E402
 from test_run import overrides, read_jsonl  # noqa: E402
 
 # checkpoint_every past the end: the only checkpoints are the preemption's and the last step's.
@@ -31,19 +31,8 @@ DEVICES_PER_PROCESS = 2  # a mesh of 4 devices, 2 per process, as tests/test_dis
 TIMEOUT_S = 900
 STOP_TIMEOUT_S = 180  # from the signal to both exits: config.preemption_grace_s (60) and the exit
 WARM_START = dict(max_steps=400, eval_every=400, lr=3e-3)  # the tiny policy earns some reward
-TIMING = ("accel_seconds", "time/")  # wall-clock measurements: the only fields that may differ
 PREEMPTED = re.compile(r"preempted: stopped by SIGTERM after saving the checkpoint of step (\d+); "
                        r"re-run the same command to resume")
-
-
-@pytest.fixture(scope="module")
-def code(tmp_path_factory):
-    """A copy of the code the runs execute, taken once: all runs of the comparison run the same
-    code even while the checkout changes."""
-    root = tmp_path_factory.mktemp("code")
-    for name in ("rl_scaling", "configs", "launch"):
-        shutil.copytree(os.path.join(ROOT, name), root / name, ignore=shutil.ignore_patterns("__pycache__"))
-    return root
 
 
 def _free_port():

@@ -4,7 +4,6 @@ uninterrupted one, with every step once in metrics.jsonl and in TensorBoard, als
 line was appended to metrics.jsonl before the resume."""
 
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -20,16 +19,6 @@ from test_run import overrides, read_jsonl  # noqa: E402
 STEPS, EVAL_EVERY, CHECKPOINT_EVERY = 12, 6, 10
 ENV = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="")
 TIMING = ("accel_seconds", "time/")  # wall-clock measurements: the only fields that may differ
-
-
-@pytest.fixture(scope="module")
-def code(tmp_path_factory):
-    """A copy of the code the runs execute, taken once: every run of the comparison runs the same
-    code even while the checkout changes."""
-    root = tmp_path_factory.mktemp("code")
-    for name in ("rl_scaling", "configs", "launch"):
-        shutil.copytree(os.path.join(ROOT, name), root / name, ignore=shutil.ignore_patterns("__pycache__"))
-    return root
 
 
 def _cmd(code, workdir):
