@@ -88,6 +88,14 @@ def test_small_scale_fit_notebook_prints_the_library_fit():
     text = execute(NOTEBOOK, {"RL_SCALING_RESULTS": results})
     assert f"repository: {ROOT}" in text
     assert_prints_library_fit(text, paths)
+    # Each ablation is set against the longest label it extends: the FP32-head ablation against the
+    # bfloat16 body with FP32 heads, not against the float32 ScaleRL.
+    labels = {os.path.basename(os.path.dirname(os.path.dirname(p))) for p in paths}
+    refs = dict(re.findall(r"^(scalerl\+\S+): A .*; A - A_(\S+) ", text, re.M))
+    for label in (x for x in labels if x.startswith("scalerl+")):
+        parts = label.split("+")
+        want = next("+".join(parts[:n]) for n in range(len(parts) - 1, 0, -1) if "+".join(parts[:n]) in labels)
+        assert refs.get(label) == want, (label, refs.get(label), want)
 
 
 LIVE_OK = re.compile(rf"^step (\d+): (\d+) evals, pass rate {NUM}; fit: A (=|>=) {NUM}, B = {NUM}, C_mid = {NUM}; "
