@@ -1,4 +1,5 @@
-"""A Llama-style decoder in Flax Linen: RMSNorm, RoPE, grouped-query attention, SwiGLU.
+"""A Llama-style decoder in Flax Linen: RMSNorm, RoPE, grouped-query attention, SwiGLU (mlp.py)
+or mixture-of-experts (moe.py) feed-forward.
 
 Layers are stacked and scanned (`nn.scan`), so compile time does not grow with depth.
 Parameters carry logical axis names; `rl_scaling.sharding` maps them onto a mesh.
@@ -26,8 +27,10 @@ import jax.numpy as jnp
 from flax import linen as nn
 
 from rl_scaling import sharding
+from rl_scaling.policy import moe
+from rl_scaling.policy.mlp import DTYPES, SwiGLU, dense_init
 
-DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
+__all__ = ["DTYPES", "SwiGLU"]  # re-exported: the dtype names and the dense MLP live in mlp.py
 
 
 @dataclasses.dataclass(frozen=True)
@@ -84,10 +87,6 @@ class ModelConfig:
                 raise ValueError(f"model.{name} must be one of {sorted(DTYPES)}, got {getattr(self, name)!r}")
 
 
-def _dense_init():
-    return nn.initializers.variance_scaling(1.0, "fan_in", "truncated_normal")
-
-
 class RMSNorm(nn.Module):
     eps: float
     dtype: Any
@@ -141,7 +140,7 @@ class Attention(nn.Module):
         def proj(name, heads, axes):
             return nn.DenseGeneral(
                 (heads, H), dtype=dtype, param_dtype=pdtype, use_bias=False, name=name,
-                kernel_init=nn.with_logical_partitioning(_dense_init(), ("embed",) + axes),
+                kernel_init=nn.with_logical_partitioning(dense_init(), ("embed",) + axes),
             )(x_BTD)
 
         q_BTNH = proj("q", cfg.n_heads, ("heads", "head_dim"))
@@ -197,7 +196,7 @@ class Attention(nn.Module):
         out_BTNH = out_BTKGH.reshape(B, T, cfg.n_heads, H)
         out_BTD = nn.DenseGeneral(
             cfg.d_model, axis=(-2, -1), dtype=dtype, param_dtype=pdtype, use_bias=False, name="o",
-            kernel_init=nn.with_logical_partitioning(_dense_init(), ("heads", "head_dim", "embed")),
+            kernel_init=nn.with_logical_partitioning(dense_init(), ("heads", "head_dim", "embed")),
         )(out_BTNH)
         return out_BTD, new_cache_kv
 
@@ -234,29 +233,6 @@ def _l2_norm(x, eps):
     return (x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)).astype(x.dtype)
 
 
-class SwiGLU(nn.Module):
-    cfg: ModelConfig
-    hidden: int
-
-    @nn.compact
-    def __call__(self, x_BTD):
-        cfg = self.cfg
-        dtype, pdtype = DTYPES[cfg.dtype], DTYPES[cfg.param_dtype]
-
-        def dense(name, features, axes):
-            return nn.Dense(features, dtype=dtype, param_dtype=pdtype, use_bias=False, name=name,
-                            kernel_init=nn.with_logical_partitioning(_dense_init(), axes))
-
-        # Tokens flattened to one axis: the weight gradients are then plain [N, D]^T @ [N, F]
-        # matmuls; with (batch, length) as two contracted axes XLA:CPU transposes the [N, F]
-        # activation gradients inside their elementwise fusions, which dominated the step.
-        x_ND = x_BTD.reshape(-1, x_BTD.shape[-1])
-        gate_NF = dense("gate", self.hidden, ("embed", "mlp"))(x_ND)
-        up_NF = dense("up", self.hidden, ("embed", "mlp"))(x_ND)
-        out_ND = dense("down", cfg.d_model, ("mlp", "embed"))(nn.silu(gate_NF) * up_NF)
-        return out_ND.reshape(x_BTD.shape[:-1] + (cfg.d_model,))
-
-
 class Block(nn.Module):
     """One decoder layer; scanned over the layer axis by `Decoder`."""
 
@@ -278,8 +254,6 @@ class Block(nn.Module):
         x_BTD = x_BTD + attn_BTD
         h_BTD = RMSNorm(cfg.norm_eps, dtype, name="mlp_norm")(x_BTD)
         if cfg.num_experts:
-            from rl_scaling.policy import moe  # only MoE configs need it
-
             mlp_BTD = moe.MoeMlp(cfg, name="moe")(h_BTD)
         else:
             mlp_BTD = SwiGLU(cfg, cfg.mlp_dim, name="mlp")(h_BTD)
@@ -378,7 +352,7 @@ class Decoder(nn.Module):
             kernel_DV = embed.T
         else:
             kernel_DV = self.param(
-                "lm_head", nn.with_logical_partitioning(_dense_init(), ("embed", "vocab")),
+                "lm_head", nn.with_logical_partitioning(dense_init(), ("embed", "vocab")),
                 (cfg.d_model, cfg.vocab_size), pdtype,
             )
         if return_hidden:

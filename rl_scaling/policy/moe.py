@@ -10,7 +10,7 @@ Parameters (per layer; `Block` is scanned, so each gets a leading [L] axis):
   router [D, E]                       logical ("embed", None)
   wi_gate, wi_up [E, D, F]            logical ("expert", "expert_embed", "expert_mlp")
   wo [E, F, D]                        logical ("expert", "expert_mlp", "expert_embed")
-  shared/{gate,up,down}               the dense `SwiGLU` of model.py with hidden cfg.mlp_dim
+  shared/{gate,up,down}               the dense `SwiGLU` of mlp.py with hidden cfg.mlp_dim
 
 Dispatch: `cfg.moe_impl`
   "ragged" (default) sort-based, dropless: the S*k (token, expert) pairs of a shard are sorted by
@@ -83,13 +83,17 @@ from __future__ import annotations
 
 import functools
 import math
+from typing import TYPE_CHECKING
 
 import jax
 import jax.numpy as jnp
 from flax import linen as nn
 
 from rl_scaling import sharding
-from rl_scaling.policy.model import DTYPES, ModelConfig, SwiGLU
+from rl_scaling.policy.mlp import DTYPES, SwiGLU
+
+if TYPE_CHECKING:
+    from rl_scaling.policy.model import ModelConfig
 
 IMPLS = ("ragged", "expert_parallel", "dense")
 
