@@ -25,8 +25,9 @@ give 1.5x the throughput of one two-core run: small matmuls do not scale over th
 numerics depend on its thread count, so keep N fixed across a sweep's invocations.
 --prune uses the law as a scheduler: at every new eval each recipe is refitted (seeds pooled);
 once a recipe's A has a 95% upper bound below the best identifiable recipe's lower bound, its
-runs get SIGTERM (they checkpoint and exit 75: a later sweep without --prune resumes them) and
-its queued seeds are not started. sweep.json records why and the compute saved.
+runs get SIGTERM (they checkpoint and exit 75) and its queued seeds are not started. A pruned
+run's directory gets `sweep_pruned` (why, at which evals): a later sweep with --prune skips it,
+one without --prune resumes it. sweep.json records why and the compute saved.
 """
 
 from __future__ import annotations
@@ -48,6 +49,7 @@ from configs import common  # noqa: E402  (no jax: --dry_run stays fast)
 from rl_scaling import paths  # noqa: E402
 
 DONE = "sweep_done"
+PRUNED = "sweep_pruned"  # a run --prune stopped: skipped by later --prune sweeps, resumed by others
 
 
 def parse_args(argv=None):
@@ -260,6 +262,13 @@ def schedule(args, runs, record, workdir):
                 entry.update(json.load(open(os.path.join(wd, DONE))), skipped=True)
                 print(f"[{i + 1}/{len(runs)}] {label} seed {seed}: done before, skipped", flush=True)
                 continue
+            marker = os.path.join(wd, PRUNED)
+            if args.prune and os.path.exists(marker):
+                with open(marker) as f:
+                    pruned.setdefault(label, json.load(f))
+                entry.update(rc=75, pruned=True, skipped=True)
+                print(f"[{i + 1}/{len(runs)}] {label} seed {seed}: pruned before, skipped", flush=True)
+                continue
             if label in pruned:
                 entry.update(rc=None, pruned=True)
                 print(f"[{i + 1}/{len(runs)}] {label} seed {seed}: pruned, not started", flush=True)
@@ -293,6 +302,7 @@ def schedule(args, runs, record, workdir):
                     for i, proc, _ in running.values():
                         if entries[i]["label"] == label:
                             entries[i]["pruned"] = True
+                            _write_json(os.path.join(entries[i]["workdir"], PRUNED), pruned[label])
                             proc.send_signal(signal.SIGTERM)
                 if newly:
                     save()

@@ -169,6 +169,16 @@ def test_prune_stops_a_recipe_the_law_rules_out(tmp_path):
     assert saved["planned_flops"] == pytest.approx(4 * 240 * 4e8)
     assert saved["saved_flops"] == pytest.approx(240 * 4e8 + (24 - n_evals + 1) * 4e9, rel=1e-6)
     assert "Pruned grpo" in (out / "comparison.md").read_text()
+    marker = json.loads((out / "grpo" / "seed0" / sweep.PRUNED).read_text())
+    assert marker == record["pruned"]["grpo"]
+    # Resumed with --prune: the pruned run is skipped (its curve untouched), the record the same.
+    before = (out / "grpo" / "seed0" / "metrics.jsonl").read_text()
+    assert sweep.main(argv) == 0
+    again = json.loads((out / "sweep.json").read_text())
+    assert (out / "grpo" / "seed0" / "metrics.jsonl").read_text() == before
+    assert again["pruned"] == record["pruned"] and again["compute_saved"] == saved
+    runs = {(r["label"], r["seed"]): r for r in again["runs"]}
+    assert runs[("grpo", 0)]["skipped"] and runs[("grpo", 1)]["rc"] is None and not (out / "grpo" / "seed1").exists()
 
 
 def test_named_comparison_reuses_the_runs_of_its_directory(tmp_path):
