@@ -43,9 +43,10 @@ test-aot: $(BIN)/.installed-tpu
 	JAX_PLATFORMS=cpu $(BIN)/python -m pytest -n 2 -q -m slow tests/test_distributed.py
 
 # The shipped law result (notebooks/results): recipes x 3 seeds at a saturating 768k-sample budget,
-# the leave-one-out table, the batch-size axis and the FP32-head pair (bfloat16 body), two runs at
-# a time on 2 cores. Every command skips finished runs and resumes interrupted ones; the eval
-# noise is measured once from the first seed's last checkpoints. ~3 h on a quiet 2-core machine.
+# the leave-one-out table, the batch-size axis, the FP32-head pair (bfloat16 body) and a --prune
+# sweep that stops a recipe the law rules out, two runs at a time on 2 cores. Every command skips
+# finished (and pruned) runs and resumes interrupted ones; the eval noise is measured once from the
+# first seed's last checkpoints. ~3.5 h on a quiet 2-core machine.
 RESULTS ?= notebooks/results
 LAW = --config=configs/tiny.py:samples=768000,evals=24 --jobs=2 --workdir=$(RESULTS)
 LOO = scalerl,scalerl+rl.loss=ppo_clip+rl.eps_low=0.2+rl.eps_high=0.26,scalerl+rl.aggregation=sample,scalerl+rl.adv_norm=group,scalerl+rl.zero_var_filter=False,scalerl+rl.no_positive_resampling=False,scalerl+rollout.length_control=none
@@ -59,6 +60,8 @@ results: venv
 		--recipes=scalerl,scalerl+prompts=16,scalerl+prompts=64
 	JAX_PLATFORMS=cpu $(BIN)/python launch/sweep.py $(LAW) --name=fp32 --seeds=2 \
 		--recipes=scalerl+model.dtype=bfloat16,scalerl+model.dtype=bfloat16+rl.fp32_lm_head=False+rollout.fp32_lm_head=False
+	JAX_PLATFORMS=cpu $(BIN)/python launch/sweep.py $(LAW) --name=prune --seeds=2 --prune \
+		--recipes=scalerl,scalerl+rl.npr_threshold=0.25,scalerl+optim.weight_decay=1.0
 
 bench: $(BIN)/.installed-test
 	JAX_PLATFORMS=cpu $(BIN)/python launch/bench.py
