@@ -161,38 +161,33 @@ class Attention(nn.Module):
         select = lambda ms: ms[0] if len(ms) == 1 else jnp.where(is_nope, ms[1], ms[0])  # noqa: E731
 
         if cache_kv is not None:
-            # cache_kv: this layer's own keys [B, K, H, S] and values [B, K, S, H] (separate
-            # buffers per layer, so reading one never copies it out of a stack); laid out so that
-            # both attention matmuls are plain [G*T, H] x [H, S] and [G*T, S] x [S, H] products
-            # with no transpose. Write the new ones at each row's own offset.
+            # cache_kv: this layer's own [B, K, S, H] keys and values (separate buffers per layer,
+            # so reading one never copies it out of a stack; heads before slots, so the attention
+            # matmuls need no transpose); write the new ones at each row's own offset.
             B, T = k_BTKH.shape[:2]
             rows_BT = jnp.broadcast_to(jnp.arange(B)[:, None], (B, T))
             slots_BT = cache_index_B[:, None] + jnp.arange(T)[None, :]
-            k_cache, v_cache = cache_kv
-            new_cache_kv = (
-                k_cache.at[rows_BT, :, :, slots_BT].set(k_BTKH.astype(k_cache.dtype), mode="promise_in_bounds"),
-                v_cache.at[rows_BT, :, slots_BT].set(v_BTKH.astype(v_cache.dtype), mode="promise_in_bounds"),
-            )
-            k_BKHS, v_BKSH = (c.astype(dtype) for c in new_cache_kv)
+
+            def write(c, u_BTKH):
+                return c.at[rows_BT, :, slots_BT].set(u_BTKH.astype(c.dtype), mode="promise_in_bounds")
+
+            new_cache_kv = (write(cache_kv[0], k_BTKH), write(cache_kv[1], v_BTKH))
+            k_BKSH, v_BKSH = (c.astype(dtype) for c in new_cache_kv)
         else:
             k_BKSH, v_BKSH, new_cache_kv = k_BTKH.swapaxes(1, 2), v_BTKH.swapaxes(1, 2), None
 
         B, T = x_BTD.shape[:2]
         q_BTKGH = q_BTNH.reshape(B, T, K, G, H)
-        if cache_kv is None:  # training and scoring: [T, T] score blocks per head
-            attend = lambda q, m: _attend_self(q, k_BKSH, v_BKSH, m, dtype)  # noqa: E731
-        else:
-            attend = lambda q, m: _attend_cache(q, k_BKHS, v_BKSH, m, dtype)  # noqa: E731
         C = cfg.attn_query_chunk
         if C and T > C:  # blocks of C queries (padded), each recomputed in the backward pass
             n, pad = -(-T // C), -T % C
             split = lambda x: jnp.pad(x, [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2)).reshape(  # noqa: E731
                 (B, n, C) + x.shape[2:]).swapaxes(0, 1)
-            block = jax.checkpoint(lambda q, ms: attend(q, select(ms)))
+            block = jax.checkpoint(lambda q, ms: _attend(q, k_BKSH, v_BKSH, select(ms), dtype))
             out_nBCKGH = jax.lax.map(lambda qm: block(*qm), (split(q_BTKGH), tuple(map(split, masks))))
             out_BTKGH = out_nBCKGH.swapaxes(0, 1).reshape(B, n * C, K, G, H)[:, :T]
         else:
-            out_BTKGH = attend(q_BTKGH, select(masks))
+            out_BTKGH = _attend(q_BTKGH, k_BKSH, v_BKSH, select(masks), dtype)
         out_BTNH = out_BTKGH.reshape(B, T, cfg.n_heads, H)
         out_BTD = nn.DenseGeneral(
             cfg.d_model, axis=(-2, -1), dtype=dtype, param_dtype=pdtype, use_bias=False, name="o",
@@ -201,26 +196,21 @@ class Attention(nn.Module):
         return out_BTD, new_cache_kv
 
 
-def _attend_self(q_BTKGH, k_BKSH, v_BKSH, mask_BTS, dtype):
-    """Softmax attention of T queries over the same T keys (training, scoring); scores and
-    softmax in float32."""
-    H = q_BTKGH.shape[-1]
-    scores = jnp.einsum("btkgh,bksh->bkgts", q_BTKGH, k_BKSH, preferred_element_type=jnp.float32)
-    scores = scores * (H ** -0.5)
-    scores = jnp.where(mask_BTS[:, None, None], scores, jnp.finfo(jnp.float32).min)
-    probs = jax.nn.softmax(scores, axis=-1).astype(dtype)
-    return jnp.einsum("bkgts,bksh->btkgh", probs, v_BKSH)
+def _attend(q_BTKGH, k_BKSH, v_BKSH, mask_BTS, dtype):
+    """Softmax attention of T queries over S keys; scores and softmax in float32.
 
-
-def _attend_cache(q_BTKGH, k_BKHS, v_BKSH, mask_BTS, dtype):
-    """Softmax attention of T queries over a cache of S slots (decode, prefill); scores and
-    softmax in float32. The queries of a kv head form one [G*T, H] matrix and the keys are
-    stored [H, S], so both matmuls are plain batched matmuls over (B, K) with no transposed
-    operand or output: XLA:CPU runs a decode step's q.k ~2x and probs x V ~5x faster than
-    with keys [S, H] and the (t, g) output layout."""
+    With a cache (decode, prefill) the queries of a kv head are one [G*T, H] matrix, so both
+    matmuls are plain batched matmuls over (B, K) whose outputs need no transpose: XLA:CPU
+    runs a decode step's probs x V that way ~5x faster than with the (t, g) output layout."""
     B, T, K, G, H = q_BTKGH.shape
+    if T == k_BKSH.shape[2] and T > 1:  # training: [T, T] score blocks per head
+        scores = jnp.einsum("btkgh,bksh->bkgts", q_BTKGH, k_BKSH, preferred_element_type=jnp.float32)
+        scores = scores * (H ** -0.5)
+        scores = jnp.where(mask_BTS[:, None, None], scores, jnp.finfo(jnp.float32).min)
+        probs = jax.nn.softmax(scores, axis=-1).astype(dtype)
+        return jnp.einsum("bkgts,bksh->btkgh", probs, v_BKSH)
     q_BKQH = q_BTKGH.transpose(0, 2, 3, 1, 4).reshape(B, K, G * T, H)  # Q = (g, t)
-    scores = jnp.einsum("bkqh,bkhs->bkqs", q_BKQH, k_BKHS, preferred_element_type=jnp.float32)
+    scores = jnp.einsum("bkqh,bksh->bkqs", q_BKQH, k_BKSH, preferred_element_type=jnp.float32)
     scores = scores.reshape(B, K, G, T, -1) * (H ** -0.5)
     scores = jnp.where(mask_BTS[:, None, None], scores, jnp.finfo(jnp.float32).min)
     probs = jax.nn.softmax(scores, axis=-1).astype(dtype).reshape(B, K, G * T, -1)
@@ -376,13 +366,13 @@ def lm_head(x_BTD, kernel_DV, cfg: ModelConfig):
 
 
 def init_cache(cfg: ModelConfig, batch: int, length: int, dtype=None):
-    """An empty KV cache: per layer keys [B, K, H, S] and values [B, K, S, H] (tuples of
-    n_layers arrays), plus per-slot bookkeeping."""
+    """An empty KV cache: per layer [B, K, S, H] keys and values (tuples of n_layers arrays),
+    plus per-slot bookkeeping."""
     dtype = dtype or DTYPES[cfg.dtype]
-    B, K, S, H = batch, cfg.n_kv_heads, length, cfg.head_dim
+    shape = (batch, cfg.n_kv_heads, length, cfg.head_dim)
     return {
-        "k": tuple(jnp.zeros((B, K, H, S), dtype) for _ in range(cfg.n_layers)),
-        "v": tuple(jnp.zeros((B, K, S, H), dtype) for _ in range(cfg.n_layers)),
+        "k": tuple(jnp.zeros(shape, dtype) for _ in range(cfg.n_layers)),
+        "v": tuple(jnp.zeros(shape, dtype) for _ in range(cfg.n_layers)),
         "valid": jnp.zeros((batch, length), bool),
         "pos": jnp.zeros((batch, length), jnp.int32),
         "index": jnp.zeros((batch,), jnp.int32),

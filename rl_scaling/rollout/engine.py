@@ -106,9 +106,8 @@ def param_shardings(cfg: model_lib.ModelConfig, mesh):
 def cache_shardings(cfg: model_lib.ModelConfig, mesh):
     """Shardings of `model_lib.init_cache`: rows over the data axes, one K and one V buffer per layer."""
     ls = functools.partial(sharding.logical_sharding, mesh)
-    k = (ls(("batch", "kv_heads", "head_dim", "cache_length")),) * cfg.n_layers  # model.init_cache's layouts
-    v = (ls(("batch", "kv_heads", "cache_length", "head_dim")),) * cfg.n_layers
-    return {"k": k, "v": v, "valid": ls(("batch", "cache_length")), "pos": ls(("batch", "cache_length")),
+    kv = (ls(("batch", "kv_heads", "cache_length", "head_dim")),) * cfg.n_layers
+    return {"k": kv, "v": kv, "valid": ls(("batch", "cache_length")), "pos": ls(("batch", "cache_length")),
             "index": ls(("batch",))}
 
 
