@@ -28,9 +28,7 @@ from flax import linen as nn
 
 from rl_scaling import sharding
 from rl_scaling.policy import moe
-from rl_scaling.policy.mlp import DTYPES, SwiGLU, dense_init
-
-__all__ = ["DTYPES", "SwiGLU"]  # re-exported: the dtype names and the dense MLP live in mlp.py
+from rl_scaling.policy.mlp import DTYPES, SwiGLU, dense_init  # model_lib.DTYPES stays importable
 
 
 @dataclasses.dataclass(frozen=True)
