@@ -81,6 +81,10 @@ def base_config() -> ml_collections.ConfigDict:
         max_new_tokens=16,
         temperature=1.0,
         fp32_lm_head=True,  # generator's LM head in float32 (ScaleRL)
+        # The sync sampler's decode loop runs in this many segments over a KV cache grown between
+        # them, so attention reads the slots written so far, not the whole budget (same tokens).
+        # At a segment's end the grown copy and the old cache coexist: 1 keeps one full-size cache.
+        cache_segments=4,
         # Off-policy scheme. "sync": generate, then train (PPO-off-policy-k is sync with
         # rl.num_minibatches=k and prompts_per_step = k x prompts per minibatch).
         # "pipeline": PipelineRL-k (rl_scaling/rollout/pipeline.py), JetStream engine.

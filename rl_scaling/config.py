@@ -47,7 +47,8 @@ def validate(config) -> None:
             raise ValueError(f"{name}={value} must be a finite number")
     _positive(config, "steps", "eval_every", "checkpoint_every", "log_every", "keep_checkpoints")
     _positive(config, "rollout.prompts_per_step", "rollout.samples_per_prompt", "rollout.max_new_tokens",
-              "rollout.temperature", "rl.num_minibatches", "rl.temperature", "optim.lr", "optim.grad_clip",
+              "rollout.temperature", "rollout.cache_segments", "rl.num_minibatches", "rl.temperature", "optim.lr",
+              "optim.grad_clip",
               "eval.num_prompts", "eval.samples_per_prompt", "eval.batch_size", "task.max_prompt_len",
               "warmstart.batch_size", "warmstart.eval_every", "warmstart.probe_prompts", "warmstart.max_steps",
               "warmstart.lr", "preemption_grace_s", "rollout.reconnect_s")

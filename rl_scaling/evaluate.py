@@ -9,7 +9,7 @@ from rl_scaling.rollout import collect
 
 
 def prompt_rewards(params, gen_cfg, task, problems, *, samples_per_prompt, batch_size, rng, max_prompt_len,
-                   max_new_tokens, temperature=1.0) -> np.ndarray:
+                   max_new_tokens, temperature=1.0, cache_segments=4) -> np.ndarray:
     """[len(problems), samples_per_prompt] rewards; batches of whole prompts."""
     per_batch = max(batch_size // samples_per_prompt, 1)
     rewards = []
@@ -18,7 +18,8 @@ def prompt_rewards(params, gen_cfg, task, problems, *, samples_per_prompt, batch
         chunk = chunk + [chunk[-1]] * (per_batch - len(chunk))  # one shape, one compile
         _, _, _, _, r = collect.generate(params, gen_cfg, task, chunk, samples_per_prompt,
                                          jax.random.fold_in(rng, i), max_prompt_len=max_prompt_len,
-                                         max_new_tokens=max_new_tokens, temperature=temperature)
+                                         max_new_tokens=max_new_tokens, temperature=temperature,
+                                         cache_segments=cache_segments)
         rewards.append(np.asarray(r).reshape(per_batch, samples_per_prompt))
     return np.concatenate(rewards)[: len(problems)]
 

@@ -72,7 +72,7 @@ def _train(config, workdir, held, preempt):
     base_rng = jax.random.key(config.seed)
     P, G = config.rollout.prompts_per_step, config.rollout.samples_per_prompt
     gen_kw = dict(max_prompt_len=config.task.max_prompt_len, max_new_tokens=config.rollout.max_new_tokens,
-                  temperature=config.rollout.temperature)
+                  temperature=config.rollout.temperature, cache_segments=config.rollout.cache_segments)
 
     def run_eval(params, step):
         return evaluate.pass_rate(params, gen_cfg, task, eval_problems, samples_per_prompt=config.eval.samples_per_prompt,

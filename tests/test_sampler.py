@@ -3,6 +3,7 @@
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 from rl_scaling.policy import model as model_lib
 from rl_scaling.rl import train_step as ts
@@ -124,3 +125,22 @@ def test_group_prefill_equals_repeated_prompts(tiny_params):
     np.testing.assert_array_equal(np.asarray(shared.tokens_BT), np.asarray(rep.tokens_BT))
     np.testing.assert_array_equal(np.asarray(shared.lengths_B), np.asarray(rep.lengths_B))
     np.testing.assert_allclose(np.asarray(shared.logprobs_BT), np.asarray(rep.logprobs_BT), atol=1e-5)
+
+
+def test_growing_cache_segments_equal_one_full_length_loop(tiny_params):
+    """cache_segments=2 decodes 32 steps as two loops over a cache grown in between: the tokens,
+    lengths and interruptions of one loop over the full-length cache, log-probs to float32
+    rounding. Stop tokens end some rows in each segment; thinking budgets run across the boundary."""
+    tokens, mask = _prompts(B=12)
+    think_budget = np.array([3, 14, 15, 16, 17, 40] * 2, np.int32)
+    kw = dict(cfg=TINY, max_new_tokens=32, stop_tokens=(7, 9), pad_id=0, think_budget_B=think_budget,
+              interrupt_tokens=(11, 12), think_end_id=12, answer_budget=3)
+    one = jax.device_get(sampler.sample(tiny_params, tokens, mask, jax.random.key(4), cache_segments=1, **kw))
+    two = jax.device_get(sampler.sample(tiny_params, tokens, mask, jax.random.key(4), cache_segments=2, **kw))
+    for a, b in zip(one, two):
+        np.testing.assert_allclose(b, a, atol=1e-5)
+    ended = one.lengths_B[~one.truncated_B]
+    assert (ended <= 16).any() and (ended > 16).any()  # rows stopped in both segments
+    assert one.interrupted_B.any()
+    with pytest.raises(ValueError, match="cache_segments"):
+        sampler.sample(tiny_params, tokens, mask, jax.random.key(4), cache_segments=0, **kw)

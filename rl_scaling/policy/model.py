@@ -377,6 +377,19 @@ def init_cache(cfg: ModelConfig, batch: int, length: int, dtype=None):
     }
 
 
+def grow_cache(cache, length: int):
+    """The cache with room for `length` slots: new slots empty, as init_cache makes them."""
+    pad = length - cache["valid"].shape[1]
+    if pad < 0:
+        raise ValueError(f"grow_cache: length {length} is below the cache's {cache['valid'].shape[1]} slots")
+
+    def widen(x, axis):
+        return jnp.pad(x, [(0, pad if a == axis else 0) for a in range(x.ndim)]) if pad else x
+
+    return {"k": tuple(widen(c, 2) for c in cache["k"]), "v": tuple(widen(c, 2) for c in cache["v"]),
+            "valid": widen(cache["valid"], 1), "pos": widen(cache["pos"], 1), "index": cache["index"]}
+
+
 def split_layers(params):
     """Params with the stacked [L, ...] layer weights split into a tuple of per-layer trees, for
     decoding (`Decoder` with a cache takes either form)."""

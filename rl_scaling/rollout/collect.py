@@ -13,7 +13,7 @@ from rl_scaling.rollout import sampler
 
 
 def generate(params, gen_cfg, task, problems, samples_per_prompt, rng, *, max_prompt_len, max_new_tokens,
-             temperature, interrupt=None):
+             temperature, interrupt=None, cache_segments=4):
     """Sample `samples_per_prompt` completions for each problem; returns host arrays [P*G, ...].
     Each prompt is prefilled once and its KV cache shared by its G samples."""
     tok, G = task.tokenizer, samples_per_prompt
@@ -33,7 +33,7 @@ def generate(params, gen_cfg, task, problems, samples_per_prompt, rng, *, max_pr
     with sharding.tracing_mesh(mesh):
         out = sampler.sample(params, dev_tokens, dev_mask, dev_rng, cfg=gen_cfg, max_new_tokens=max_new_tokens,
                              temperature=temperature, stop_tokens=(tok.eos_id,), pad_id=tok.pad_id,
-                             group_size=group, **kwargs)
+                             group_size=group, cache_segments=cache_segments, **kwargs)
     out = distributed.to_host(out)
     responses = [tok.decode(row[:n]) for row, n in zip(out.tokens_BT, out.lengths_B)]
     rewards = np.array([task.reward(r, problems[i // G]) for i, r in enumerate(responses)], np.float32)

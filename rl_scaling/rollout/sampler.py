@@ -4,8 +4,11 @@ The log-prob of each sampled token is read off the same float32 logits the token
 drawn from (after temperature), so the trainer's importance ratio pi_train/pi_gen is
 exact when both sides use float32 logits.
 
-Decoding is one `lax.while_loop` inside one jit: prefill the (left-padded) prompts,
-then one token per step for every row, stopping early when all rows are done.
+Decoding is inside one jit: prefill the (left-padded) prompts, then one token per step for
+every row, stopping early when all rows are done. The steps run as a few `lax.while_loop`
+segments over a KV cache that grows between them (`cache_segments`), so a step's attention
+reads the slots written so far rounded up to its segment's end, not the whole budget: with 4
+segments ~5/8 of the cache traffic of one full-length loop, the same tokens.
 
 Forced interruption (ScaleRL's length control): when `think_budget_B` is given, a row
 that has produced that many tokens without closing its thinking gets
@@ -42,6 +45,16 @@ def _unrolled_threefry_on_cpu():
 _unrolled_threefry_on_cpu()
 
 
+MIN_SEGMENT_STEPS = 16  # shorter segments would save less than their extra compiled loop costs
+
+
+def _segment_ends(max_new_tokens: int, segments: int) -> list[int]:
+    if segments < 1:
+        raise ValueError(f"cache_segments must be >= 1, got {segments}")
+    n = max(1, min(segments, max_new_tokens // MIN_SEGMENT_STEPS))
+    return [max_new_tokens * (i + 1) // n for i in range(n)]
+
+
 class Samples(NamedTuple):
     tokens_BT: jax.Array  # generated tokens, pad after the end
     logprobs_BT: jax.Array  # float32 log pi_gen(token), 0 after the end
@@ -65,12 +78,12 @@ def categorical(key, logits_BV):
 @functools.partial(
     jax.jit,
     static_argnames=("cfg", "max_new_tokens", "stop_tokens", "pad_id", "interrupt_tokens",
-                     "think_end_id", "answer_budget", "group_size"),
+                     "think_end_id", "answer_budget", "group_size", "cache_segments"),
 )
 def sample(params, prompt_BP, prompt_mask_BP, rng, *, cfg: model_lib.ModelConfig, max_new_tokens: int,
            temperature=1.0, stop_tokens: tuple[int, ...] = (), pad_id: int = 0,
            think_budget_B=None, interrupt_tokens: tuple[int, ...] = (), think_end_id: int = -1,
-           answer_budget: int = 0, group_size: int = 1) -> Samples:
+           answer_budget: int = 0, group_size: int = 1, cache_segments: int = 4) -> Samples:
     """group_size=G: prompt_BP holds each group's prompt once ([B/G, P]); it is prefilled once
     and its KV cache and last logits repeated for the group's G rows (row b samples from prompt
     b // G), so prefill costs 1/G. Tokens and log-probs are those of G copies of each prompt."""
@@ -78,7 +91,8 @@ def sample(params, prompt_BP, prompt_mask_BP, rng, *, cfg: model_lib.ModelConfig
     apply = functools.partial(decoder.apply, {"params": model_lib.split_layers(params)})  # split once per call
     n_prompts, P = prompt_BP.shape
     B = n_prompts * group_size
-    cache = model_lib.init_cache(cfg, n_prompts, P + max_new_tokens)
+    segment_ends = _segment_ends(max_new_tokens, cache_segments)
+    cache = model_lib.init_cache(cfg, n_prompts, P + segment_ends[0])
     positions_BP = model_lib.positions_from_mask(prompt_mask_BP)
     logits_BPV, cache = apply(prompt_BP, positions_BP, prompt_mask_BP, cache)
     last_BV, next_pos_B = logits_BPV[:, -1], positions_BP[:, -1] + 1
@@ -145,6 +159,9 @@ def sample(params, prompt_BP, prompt_mask_BP, rng, *, cfg: model_lib.ModelConfig
     }
     carry = (jnp.int32(0), cache, last_BV, jnp.zeros((B,), bool), out, rng, next_pos_B,
              jnp.full((B,), -1, jnp.int32), jnp.zeros((B,), jnp.int32), jnp.full((B,), -1, jnp.int32))
-    _, _, _, done_B, out, _, _, _, _, answer_left_B = jax.lax.while_loop(cond, body, carry)
+    for end in segment_ends:  # step t writes slot P + t: a segment ending at `end` needs P + end slots
+        carry = (carry[0], model_lib.grow_cache(carry[1], P + end)) + carry[2:]
+        carry = jax.lax.while_loop(lambda c, end=end: cond(c) & (c[0] < end), body, carry)
+    _, _, _, done_B, out, _, _, _, _, answer_left_B = carry
     interrupted_B = answer_left_B >= 0
     return Samples(out["tokens"], out["logprobs"], out["forced"], out["lengths"], ~done_B, interrupted_B)
