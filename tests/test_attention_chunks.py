@@ -34,7 +34,7 @@ def test_query_chunks_match_whole_attention(cfg):
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
 
 
-def test_causal_blocks_equal_one_full_score_block():
+def test_causal_blocks_equal_one_full_score_block(monkeypatch):
     """Training attention in causal blocks (each block of queries over the keys up to its last)
     equals one [T, T] block per head under the same causal and padding mask, values and grads, for
     every query that sees a key."""
@@ -45,6 +45,8 @@ def test_causal_blocks_equal_one_full_score_block():
     valid = np.ones((B, T), bool)
     valid[1, :3] = False  # left padding
     mask = jnp.asarray(np.tril(np.ones((T, T), bool))[None] & valid[:, None, :])
+    assert M.causal_blocks(31) == [(0, 31)] and len(M.causal_blocks(79)) == 4  # the tiny run's; the bench's
+    monkeypatch.setattr(M, "MIN_CAUSAL_BLOCK", 2)
     assert M.causal_blocks(T) == [(0, 2), (2, 5), (5, 8), (8, 11)]
 
     sees_a_key = mask.any(-1)[:, :, None, None, None]  # pad queries see none: their output is undefined
