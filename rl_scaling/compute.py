@@ -33,8 +33,8 @@ def sequence_flops(cfg, prompt_lens, gen_lens, group_size: int = 1) -> tuple[flo
     """Generation and one training pass over sequences with these prompt/generated lengths.
 
     group_size=G: the generator prefilled each group's prompt once and shared its KV cache
-    across the G samples (the pipeline engine); a group's rows are contiguous. The sync
-    sampler prefills every row (group_size=1)."""
+    across the G samples (the sync sampler and the pipeline engine both do); a group's rows are
+    contiguous. group_size=1: every row was prefilled."""
     prompt_lens, gen_lens = np.asarray(prompt_lens, np.float64), np.asarray(gen_lens, np.float64)
     total = prompt_lens + gen_lens
     # Token at 0-based position i attends to i+1 tokens; n tokens sum to n(n+1)/2.
