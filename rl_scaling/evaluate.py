@@ -5,11 +5,11 @@ from __future__ import annotations
 import jax
 import numpy as np
 
-from rl_scaling.rollout import collect
+from rl_scaling.rollout import collect, sampler
 
 
 def prompt_rewards(params, gen_cfg, task, problems, *, samples_per_prompt, batch_size, rng, max_prompt_len,
-                   max_new_tokens, temperature=1.0, cache_segments=4) -> np.ndarray:
+                   max_new_tokens, temperature=1.0, cache_segments=sampler.CACHE_SEGMENTS) -> np.ndarray:
     """[len(problems), samples_per_prompt] rewards; batches of whole prompts."""
     per_batch = max(batch_size // samples_per_prompt, 1)
     rewards = []

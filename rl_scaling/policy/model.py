@@ -201,10 +201,16 @@ class Attention(nn.Module):
 CAUSAL_BLOCKS, MIN_CAUSAL_BLOCK = 4, 16
 
 
+def even_split_ends(total: int, at_most: int, min_len: int) -> list[int]:
+    """Ends of up to `at_most` near-equal consecutive parts of range(total), each of at least
+    `min_len` (one part when total is shorter): causal attention blocks, decode segments."""
+    n = max(1, min(at_most, total // min_len))
+    return [total * (i + 1) // n for i in range(n)]
+
+
 def causal_blocks(T: int) -> list[tuple[int, int]]:
     """(first, end) query rows of each training attention block; block [lo, hi) reads keys [0, hi)."""
-    n = max(1, min(CAUSAL_BLOCKS, T // MIN_CAUSAL_BLOCK))
-    ends = [T * (i + 1) // n for i in range(n)]
+    ends = even_split_ends(T, CAUSAL_BLOCKS, MIN_CAUSAL_BLOCK)
     return list(zip([0] + ends[:-1], ends))
 
 

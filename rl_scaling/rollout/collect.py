@@ -13,7 +13,7 @@ from rl_scaling.rollout import sampler
 
 
 def generate(params, gen_cfg, task, problems, samples_per_prompt, rng, *, max_prompt_len, max_new_tokens,
-             temperature, interrupt=None, cache_segments=4):
+             temperature, interrupt=None, cache_segments=sampler.CACHE_SEGMENTS):
     """Sample `samples_per_prompt` completions for each problem; returns host arrays [P*G, ...].
     Each prompt is prefilled once and its KV cache shared by its G samples."""
     tok, G = task.tokenizer, samples_per_prompt

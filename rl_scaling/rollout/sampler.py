@@ -45,14 +45,8 @@ def _unrolled_threefry_on_cpu():
 _unrolled_threefry_on_cpu()
 
 
+CACHE_SEGMENTS = 4  # the default; config.rollout.cache_segments
 MIN_SEGMENT_STEPS = 16  # shorter segments would save less than their extra compiled loop costs
-
-
-def _segment_ends(max_new_tokens: int, segments: int) -> list[int]:
-    if segments < 1:
-        raise ValueError(f"cache_segments must be >= 1, got {segments}")
-    n = max(1, min(segments, max_new_tokens // MIN_SEGMENT_STEPS))
-    return [max_new_tokens * (i + 1) // n for i in range(n)]
 
 
 class Samples(NamedTuple):
@@ -83,7 +77,7 @@ def categorical(key, logits_BV):
 def sample(params, prompt_BP, prompt_mask_BP, rng, *, cfg: model_lib.ModelConfig, max_new_tokens: int,
            temperature=1.0, stop_tokens: tuple[int, ...] = (), pad_id: int = 0,
            think_budget_B=None, interrupt_tokens: tuple[int, ...] = (), think_end_id: int = -1,
-           answer_budget: int = 0, group_size: int = 1, cache_segments: int = 4) -> Samples:
+           answer_budget: int = 0, group_size: int = 1, cache_segments: int = CACHE_SEGMENTS) -> Samples:
     """group_size=G: prompt_BP holds each group's prompt once ([B/G, P]); it is prefilled once
     and its KV cache and last logits repeated for the group's G rows (row b samples from prompt
     b // G), so prefill costs 1/G. Tokens and log-probs are those of G copies of each prompt."""
@@ -91,7 +85,9 @@ def sample(params, prompt_BP, prompt_mask_BP, rng, *, cfg: model_lib.ModelConfig
     apply = functools.partial(decoder.apply, {"params": model_lib.split_layers(params)})  # split once per call
     n_prompts, P = prompt_BP.shape
     B = n_prompts * group_size
-    segment_ends = _segment_ends(max_new_tokens, cache_segments)
+    if cache_segments < 1:
+        raise ValueError(f"cache_segments must be >= 1, got {cache_segments}")
+    segment_ends = model_lib.even_split_ends(max_new_tokens, cache_segments, MIN_SEGMENT_STEPS)
     cache = model_lib.init_cache(cfg, n_prompts, P + segment_ends[0])
     positions_BP = model_lib.positions_from_mask(prompt_mask_BP)
     logits_BPV, cache = apply(prompt_BP, positions_BP, prompt_mask_BP, cache)
