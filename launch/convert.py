@@ -13,7 +13,7 @@
 
 Every path may be local or gs://BUCKET/PATH (rl_scaling/paths.py).
 
-Both directions stream one tensor block at a time (rl_scaling/policy/hf_io.py); the params are
+Both directions stream one tensor block at a time (rl_scaling/policy/hf_io.py, hf_export.py); the params are
 spread over all local devices, so no single device holds the whole model.
 """
 
@@ -31,7 +31,7 @@ import ml_collections  # noqa: E402
 import orbax.checkpoint as ocp  # noqa: E402
 
 from rl_scaling import checkpoint, config as config_lib, paths, sharding, tasks  # noqa: E402
-from rl_scaling.policy import hf_io  # noqa: E402
+from rl_scaling.policy import hf_export, hf_io  # noqa: E402
 
 
 def import_hf(hf_dir: str, out: str, param_dtype: str = "float32") -> None:
@@ -88,7 +88,7 @@ def export_hf(workdir: str, out: str, step: int | None = None, dtype: str | None
     # its temperature, at most its max_new_tokens; pass do_sample=False for greedy decoding.
     generation = dict(do_sample=True, temperature=float(config.rollout.temperature), top_k=0, top_p=1.0,
                       max_new_tokens=int(config.rollout.max_new_tokens))
-    hf_io.save_hf_checkpoint(params, cfg, out, dtype=dtype, tokenizer=run_tokenizer(config), generation=generation)
+    hf_export.save_hf_checkpoint(params, cfg, out, dtype=dtype, tokenizer=run_tokenizer(config), generation=generation)
     print(f"wrote {out}: the policy at step {step}")
 
 

@@ -16,7 +16,7 @@ transformers = pytest.importorskip("transformers")
 
 from launch import convert  # noqa: E402
 from rl_scaling import config as config_lib, train  # noqa: E402
-from rl_scaling.policy import hf_io  # noqa: E402
+from rl_scaling.policy import hf_export  # noqa: E402
 from rl_scaling.rollout import collect  # noqa: E402
 from rl_scaling.tasks import ArithmeticTask, arithmetic  # noqa: E402
 from rl_scaling.tasks.hf_tokenizer import HFTokenizer  # noqa: E402
@@ -27,7 +27,7 @@ CHAR = CharTokenizer()
 
 
 def _auto_tokenizer(tokenizer, path):
-    hf_io.save_hf_tokenizer(tokenizer, str(path))
+    hf_export.save_hf_tokenizer(tokenizer, str(path))
     return transformers.AutoTokenizer.from_pretrained(str(path))
 
 

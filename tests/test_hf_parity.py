@@ -18,7 +18,7 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 from rl_scaling import sharding  # noqa: E402
-from rl_scaling.policy import hf_io  # noqa: E402
+from rl_scaling.policy import hf_export, hf_io  # noqa: E402
 from rl_scaling.policy import model as M  # noqa: E402
 
 ROPE = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
@@ -138,7 +138,7 @@ def test_export_round_trip(which, request, tmp_path):
     model, path = request.getfixturevalue(which)
     cfg = hf_io.config_from_hf(path)
     params = hf_io.load_hf_checkpoint(path, cfg)
-    hf_io.save_hf_checkpoint(params, cfg, str(tmp_path), max_shard_bytes=30_000 if which == "llama4" else 5 << 30)
+    hf_export.save_hf_checkpoint(params, cfg, str(tmp_path), max_shard_bytes=30_000 if which == "llama4" else 5 << 30)
     back = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path), attn_implementation="eager").eval()
     assert type(back) is type(model)
     want = dict(model.state_dict())
@@ -158,7 +158,7 @@ def test_multimodal_llama4_layout(llama4, tmp_path):
     src = hf_io._SafetensorsDir(path)
     tensors = {"language_model." + k: src[k] for k in src.keys()}
     tensors["vision_model.patch_embedding.linear.weight"] = np.ones((4, 4), np.float32)
-    hf_io._write_safetensors(str(tmp_path / "model.safetensors"), {k: (lambda v=v: v) for k, v in tensors.items()},
+    hf_export._write_safetensors(str(tmp_path / "model.safetensors"), {k: (lambda v=v: v) for k, v in tensors.items()},
                              {k: (v.dtype, v.shape) for k, v in tensors.items()})
     with open(os.path.join(path, "config.json")) as f:
         text = json.load(f)
@@ -174,7 +174,7 @@ def test_bfloat16_checkpoint_loads(llama3, tmp_path):
     model, path = llama3
     cfg = hf_io.config_from_hf(path)
     params = hf_io.load_hf_checkpoint(path, cfg)
-    hf_io.save_hf_checkpoint(params, cfg, str(tmp_path), dtype="bfloat16")
+    hf_export.save_hf_checkpoint(params, cfg, str(tmp_path), dtype="bfloat16")
     cfg16 = hf_io.config_from_hf(str(tmp_path), param_dtype="bfloat16")
     p16 = hf_io.load_hf_checkpoint(str(tmp_path), cfg16)
     assert p16["embed"].dtype == jnp.bfloat16
