@@ -12,10 +12,11 @@ RMSNorm eps 1e-6, RoPE theta 1e6, float32, 2 threads. Cases, each printed as one
            with the prompt prefilled once per group, a host-side toy reward (share of token 3, as
            the tunix peer's), then the tiny config's CISPO update (one optimizer step); samples/s.
   train:   the update alone on those 256 sequences: model FLOP/s (compute.py's count, causal
-           attention) as a fraction of the jax float32 matmul FLOP/s measured in this process,
-           and the same count with the attention scores the step computes (model.causal_blocks:
-           each block of queries against the keys up to its last) next to XLA's cost_analysis of
-           the jitted step, which counts what is computed (elementwise work and the optimizer too).
+           attention, every row's prompt) as a fraction of the jax float32 matmul FLOP/s measured
+           in this process (frac_of_peak), and the FLOPs the step computes (each group's prompt
+           once, train_step.shared_prompt_logprobs; every query over the whole KV cache) as a
+           fraction too (computed_frac_of_peak), next to XLA's cost_analysis of the jitted step,
+           which counts what is computed (elementwise work and the optimizer too).
 Each figure is the median of --reps timed calls after --warmup untimed ones.
 
 --vs_tunix alternates this script's process with the tunix peer's (`tunix_sampler.py`,
@@ -131,7 +132,8 @@ def _rl_parts(cfg):
     mesh, config, opt, state_sh, state = _setup(cfg)
     B, L = PROMPTS * G, PROMPT_LEN + NEW_TOKENS
     rng = np.random.default_rng(0)
-    step = ts.jit_step(ts.rl_step, state_sh, mesh, model_cfg=cfg, rl_cfg=config.rl, optimizer=opt)
+    step = ts.jit_step(ts.rl_step, state_sh, mesh, model_cfg=cfg, rl_cfg=config.rl, optimizer=opt,
+                       prompt_len=PROMPT_LEN)
     holder = {"state": state, "key": jax.random.key(2)}
     loss_pad = np.zeros((B, PROMPT_LEN), np.float32)
 
@@ -169,12 +171,14 @@ def bench_train(cfg, reps, warmup, peak):
     lens = np.full(B, L, np.float64)
     # compute.py: causal attention over the L-1 positions the trainer feeds.
     _, model_flops = compute.sequence_flops(cfg, np.zeros(B), lens - 1)
-    # What the step computes: each causal block of queries scores the keys up to its last one.
-    pairs = sum((hi - lo) * hi for lo, hi in model_lib.causal_blocks(L - 1))
-    computed = 3.0 * compute.forward_flops(cfg, B * (L - 1), B * pairs)
+    # What the step computes: each group's prompt once (its PROMPT_LEN tokens, then the B rows'
+    # L-1-PROMPT_LEN completion positions), every query scoring the L-1 slots of the KV cache.
+    tokens = B // G * PROMPT_LEN + B * (L - 1 - PROMPT_LEN)
+    computed = 3.0 * compute.forward_flops(cfg, tokens, tokens * (L - 1))
     return {"train_s_median": t, "model_gflop_s": model_flops / t / 1e9, "peak_gflop_s": peak / 1e9,
-            "frac_of_peak": model_flops / t / peak, "model_flops_causal": model_flops,
-            "model_flops_computed": computed, **xla_flops(cfg, holder["state"], batch, computed)}
+            "frac_of_peak": model_flops / t / peak, "computed_frac_of_peak": computed / t / peak,
+            "model_flops_causal": model_flops, "model_flops_computed": computed,
+            **xla_flops(cfg, holder["state"], batch, computed)}
 
 
 def step_update(step, holder, batch):
@@ -190,7 +194,7 @@ def xla_flops(cfg, state, batch, computed):
     mesh = sharding.make_mesh({"fsdp": 1}, devices=jax.devices()[:1])
     opt = ts.make_optimizer(config.optim)
     step = ts.jit_step(ts.rl_step, ts.state_shardings(cfg, opt, mesh), mesh, model_cfg=cfg, rl_cfg=config.rl,
-                       optimizer=opt)
+                       optimizer=opt, prompt_len=PROMPT_LEN)
     cost = step.lower(state, batch).compile().cost_analysis()
     cost = cost[0] if isinstance(cost, (list, tuple)) else cost
     flops = float(cost.get("flops", 0.0)) if cost else 0.0

@@ -34,7 +34,9 @@ def sequence_flops(cfg, prompt_lens, gen_lens, group_size: int = 1) -> tuple[flo
 
     group_size=G: the generator prefilled each group's prompt once and shared its KV cache
     across the G samples (the sync sampler and the pipeline engine both do); a group's rows are
-    contiguous. group_size=1: every row was prefilled."""
+    contiguous. group_size=1: every row was prefilled. The training pass counts every row's
+    prompt (model FLOPs, the compute axis of the shipped law results), also where the trainer
+    runs a group's prompt once (train_step.shared_prompt_logprobs)."""
     prompt_lens, gen_lens = np.asarray(prompt_lens, np.float64), np.asarray(gen_lens, np.float64)
     total = prompt_lens + gen_lens
     # Token at 0-based position i attends to i+1 tokens; n tokens sum to n(n+1)/2.

@@ -104,7 +104,8 @@ def _train(config, workdir, held, preempt):
     writer = metrics_lib.MetricsWriter(workdir, resume_step=step if restored else None,
                                        resume_flops=meta["compute_flops"])
     progress = metrics_lib.Progress(config.steps, step)
-    rl_step = ts.jit_step(ts.rl_step, state_sh, mesh, model_cfg=train_cfg, rl_cfg=config.rl, optimizer=optimizer)
+    rl_step = ts.jit_step(ts.rl_step, state_sh, mesh, model_cfg=train_cfg, rl_cfg=config.rl, optimizer=optimizer,
+                          prompt_len=config.task.max_prompt_len)  # collect.rl_batch's prompt columns
     n_devices = jax.device_count()
     counters = {k: meta[k] for k in ("compute_flops", "accel_seconds", "samples")}
 

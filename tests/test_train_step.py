@@ -15,7 +15,9 @@ from tests.conftest import TINY
 P, G, L = 8, 4, 12
 
 
-def random_batch(seed=0):
+def random_batch(seed=0, shared_prompts=False):
+    """shared_prompts: a group's G rows share their first 5 tokens (its prompt, as
+    collect.rl_batch packs them), the first two of them padding in every other group."""
     rng = np.random.default_rng(seed)
     tokens = rng.integers(3, 60, size=(P, G, L)).astype(np.int32)
     token_mask = np.ones((P, G, L), bool)
@@ -25,6 +27,9 @@ def random_batch(seed=0):
         for g in range(G):
             loss_mask[p, g, 5:5 + lengths[p, g]] = 1.0
             token_mask[p, g, 5 + lengths[p, g]:] = False
+    if shared_prompts:
+        tokens[:, :, :5] = tokens[:, :1, :5]
+        tokens[::2, :, :2], token_mask[::2, :, :2] = 0, False
     old_logp = np.where(loss_mask > 0, -rng.exponential(2.0, size=(P, G, L)), 0.0).astype(np.float32)
     rewards = rng.integers(0, 2, size=(P, G)).astype(np.float32)
     flat = lambda x: x.reshape(P * G, L)  # noqa: E731
@@ -32,15 +37,16 @@ def random_batch(seed=0):
             "old_logp": flat(old_logp), "rewards": rewards}
 
 
-def run_step(mesh, rl_overrides=None, seed=0, model_cfg=TINY):
+def run_step(mesh, rl_overrides=None, seed=0, model_cfg=TINY, prompt_len=0, shared_prompts=False):
     config = tiny.get_config()
     for k, v in (rl_overrides or {}).items():
         config.rl[k] = v
     opt = ts.make_optimizer(config.optim)
     state_sh = ts.state_shardings(model_cfg, opt, mesh)
     state = ts.init_state(model_cfg, opt, jax.random.key(seed), mesh, state_sh)
-    step = ts.jit_step(ts.rl_step, state_sh, mesh, model_cfg=model_cfg, rl_cfg=config.rl, optimizer=opt)
-    new_state, metrics = step(state, random_batch(seed))
+    step = ts.jit_step(ts.rl_step, state_sh, mesh, model_cfg=model_cfg, rl_cfg=config.rl, optimizer=opt,
+                       prompt_len=prompt_len)
+    new_state, metrics = step(state, random_batch(seed, shared_prompts=shared_prompts))
     return jax.device_get(new_state["params"]), jax.device_get(metrics)
 
 
@@ -59,6 +65,41 @@ def test_chunked_logprobs_step_matches(mesh1):
     ch_params, ch_m = run_step(mesh1, {"logprob_chunk": 4})
     np.testing.assert_allclose(ch_m["loss"], base_m["loss"], rtol=1e-5, atol=1e-7)
     for a, b in zip(jax.tree.leaves(ch_params), jax.tree.leaves(base_params)):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
+
+
+UNROLLED = dataclasses.replace(TINY, scan_layers=False)
+
+
+def test_shared_prompt_logprobs_equal_teacher_forcing(tiny_params):
+    """Each group's prompt run once into a repeated KV cache: the completions' log-probs and the
+    gradient of a weighted sum of them equal the full rows' (left-padded prompts, ragged
+    completions); prompt targets read 0."""
+    batch = random_batch(3, shared_prompts=True)
+    tokens, mask = jax.numpy.asarray(batch["tokens"]), jax.numpy.asarray(batch["token_mask"])
+    weight = np.random.default_rng(4).normal(size=(P * G, L - 1)) * batch["loss_mask"][:, 1:]
+    full = lambda p: ts.token_logprobs(p, UNROLLED, tokens, mask)  # noqa: E731
+    shared = lambda p: ts.shared_prompt_logprobs(p, UNROLLED, tokens, mask, G, 5)  # noqa: E731
+    ref, got = np.asarray(full(tiny_params)), np.asarray(shared(tiny_params))
+    completion = batch["token_mask"][:, 1:] & (np.arange(1, L) >= 5)
+    np.testing.assert_allclose(got[completion], ref[completion], rtol=0, atol=2e-5)
+    assert np.all(got[:, :4] == 0.0)
+    grads = [jax.grad(lambda p, f=f: jax.numpy.sum(f(p) * weight))(tiny_params) for f in (full, shared)]
+    for a, b in zip(*map(jax.tree.leaves, grads)):
+        np.testing.assert_allclose(b, a, rtol=1e-4, atol=2e-5)
+
+
+def test_rl_step_with_shared_prompts_equals_full_rows(mesh1):
+    """rl_step(prompt_len=5) runs each group's prompt once per microbatch (shares_prompts holds
+    here): the same loss and updated params as the step over full rows."""
+    rl_cfg = tiny.get_config().rl
+    assert ts.shares_prompts(UNROLLED, rl_cfg, P * G // 2, G, 5, mesh1)
+    assert not ts.shares_prompts(TINY, rl_cfg, P * G // 2, G, 5, mesh1)  # scanned layers: full rows
+    overrides = {"grad_accum": 2}
+    full_params, full_m = run_step(mesh1, overrides, model_cfg=UNROLLED, shared_prompts=True)
+    shared_params, shared_m = run_step(mesh1, overrides, model_cfg=UNROLLED, prompt_len=5, shared_prompts=True)
+    np.testing.assert_allclose(shared_m["loss"], full_m["loss"], rtol=1e-5, atol=1e-7)
+    for a, b in zip(jax.tree.leaves(shared_params), jax.tree.leaves(full_params)):
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
 
 
