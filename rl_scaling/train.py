@@ -143,6 +143,7 @@ def _train(config, workdir, held, preempt):
             correct, rewards = (raw > 0).astype(np.float32), length.shape_rewards(raw, out.lengths_B)
             generated = (prompt_mask.sum(1), out.lengths_B)
         batch = collect.rl_batch(prompt_tokens, prompt_mask, out, rewards, P, G)
+        ts.check_group_prompts(batch, G, config.task.max_prompt_len)  # rl_step runs each group's prompt once
         batch = distributed.global_batch(batch, mesh)  # several hosts: each feeds its own rows
         state, step_metrics = rl_step(state, batch)
         if rollouts is not None:  # new weights reach the generator now; sequences in flight continue

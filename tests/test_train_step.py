@@ -103,6 +103,18 @@ def test_rl_step_with_shared_prompts_equals_full_rows(mesh1):
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
 
 
+def test_group_prompt_check_names_the_group_that_differs():
+    batch = random_batch(5, shared_prompts=True)
+    ts.check_group_prompts(batch, G, 5)  # collect.rl_batch's layout passes
+    batch["tokens"][2 * G + 1, 3] += 1  # group 2's second row: another prompt token
+    with pytest.raises(ValueError, match=r"prompt group\(s\) \[2\] differ in batch\['tokens'\]"):
+        ts.check_group_prompts(batch, G, 5)
+    batch = random_batch(5, shared_prompts=True)
+    batch["token_mask"][G * 4, 0] = True  # group 4 (left-padded): its first row has a pad made real
+    with pytest.raises(ValueError, match=r"\[4\] differ in batch\['token_mask'\]"):
+        ts.check_group_prompts(batch, G, 5)
+
+
 def test_sharded_step_equals_single_device(mesh1):
     assert len(jax.devices()) >= 8, "conftest sets 8 fake CPU devices"
     mesh8 = sharding.make_mesh({"data": 2, "fsdp": 2, "tensor": 2}, devices=jax.devices()[:8])

@@ -20,6 +20,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from flax import linen as nn
 
@@ -134,6 +135,19 @@ def shares_prompts(model_cfg, rl_cfg, rows: int, group_size: int, prompt_len: in
     return bool(prompt_len > 1 and group_size > 1 and rows % group_size == 0 and not model_cfg.num_experts
                 and not model_cfg.scan_layers and not model_cfg.remat and not rl_cfg.logprob_chunk
                 and (mesh is None or mesh.size == 1))
+
+
+def check_group_prompts(batch, group_size: int, prompt_len: int):
+    """The contract of rl_step(prompt_len=...) on a host batch: each group's G contiguous rows
+    share their first prompt_len tokens and mask. A ValueError names the groups that do not
+    (shared_prompt_logprobs would read the first row's prompt for all G)."""
+    for key in ("tokens", "token_mask"):
+        prompts = np.asarray(batch[key])[:, :prompt_len].reshape(-1, group_size, prompt_len)
+        bad = np.flatnonzero((prompts != prompts[:, :1]).any(axis=(1, 2)))
+        if bad.size:
+            raise ValueError(f"rl_step(prompt_len={prompt_len}): the {group_size} rows of prompt group(s) "
+                             f"{bad[:5].tolist()} differ in batch[{key!r}][:, :{prompt_len}]; a group's rows "
+                             "must share its prompt (collect.rl_batch packs them so)")
 
 
 def router_terms(intermediates) -> dict:
