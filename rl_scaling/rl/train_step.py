@@ -63,6 +63,12 @@ def init_state(model_cfg, optimizer, rng, mesh, shardings=None):
     return jax.jit(init, out_shardings=shardings)(rng)
 
 
+def target_logprobs(logits_BTV, targets_BT, temperature=1.0):
+    """log pi(target) from float32 logits at this temperature."""
+    logp_all = jax.nn.log_softmax(logits_BTV / temperature, axis=-1)
+    return jnp.take_along_axis(logp_all, targets_BT[..., None], axis=-1)[..., 0]
+
+
 def token_logprobs(params, model_cfg, tokens_BL, token_mask_BL, temperature=1.0, chunk=0, with_router=False):
     """log pi(token_t | tokens_<t) for t >= 1, from float32 logits; shape [B, L-1].
     with_router=True also returns the MoE router's sown intermediates (see moe.py).
@@ -75,10 +81,6 @@ def token_logprobs(params, model_cfg, tokens_BL, token_mask_BL, temperature=1.0,
     targets_BT = tokens_BL[:, 1:]
     decoder = model_lib.Decoder(model_cfg)
 
-    def logp_of(logits_BTV, targets):
-        logp_all = jax.nn.log_softmax(logits_BTV / temperature, axis=-1)
-        return jnp.take_along_axis(logp_all, targets[..., None], axis=-1)[..., 0]
-
     def apply(**kw):
         if not with_router:
             return decoder.apply({"params": params}, *inputs, **kw), {}
@@ -87,7 +89,8 @@ def token_logprobs(params, model_cfg, tokens_BL, token_mask_BL, temperature=1.0,
     T = targets_BT.shape[1]
     if not chunk or T <= chunk:
         (logits, _), inter = apply()
-        return (logp_of(logits, targets_BT), inter) if with_router else logp_of(logits, targets_BT)
+        logp = target_logprobs(logits, targets_BT, temperature)
+        return (logp, inter) if with_router else logp
     (hidden_BTD, kernel_DV), inter = apply(return_hidden=True)
     n = -(-T // chunk)
     pad = n * chunk - T
@@ -96,7 +99,7 @@ def token_logprobs(params, model_cfg, tokens_BL, token_mask_BL, temperature=1.0,
 
     @jax.checkpoint
     def one_chunk(h_BCD, t_BC):
-        return logp_of(model_lib.lm_head(h_BCD, kernel_DV, model_cfg), t_BC)
+        return target_logprobs(model_lib.lm_head(h_BCD, kernel_DV, model_cfg), t_BC, temperature)
 
     h_NBCD = hidden_BTD.reshape(hidden_BTD.shape[0], n, chunk, -1).swapaxes(0, 1)
     t_NBC = targets_BT.reshape(targets_BT.shape[0], n, chunk).swapaxes(0, 1)
@@ -123,9 +126,7 @@ def shared_prompt_logprobs(params, model_cfg, tokens_BL, token_mask_BL, group_si
     cache = jax.tree.map(lambda x: jnp.repeat(x, G, axis=0), model_lib.grow_cache(cache, L - 1))
     logits_BCV, _ = apply(tokens_BL[:, P:-1], positions_BL[:, P:-1], token_mask_BL[:, P:-1], cache)
     logits_BTV = jnp.concatenate([jnp.repeat(logits_pPV[:, -1:], G, axis=0), logits_BCV], axis=1)
-    logp_all = jax.nn.log_softmax(logits_BTV / temperature, axis=-1)
-    logp_BT = jnp.take_along_axis(logp_all, tokens_BL[:, P:, None], axis=-1)[..., 0]
-    return jnp.pad(logp_BT, ((0, 0), (P - 1, 0)))
+    return jnp.pad(target_logprobs(logits_BTV, tokens_BL[:, P:], temperature), ((0, 0), (P - 1, 0)))
 
 
 def shares_prompts(model_cfg, rl_cfg, rows: int, group_size: int, prompt_len: int, mesh=None) -> bool:
