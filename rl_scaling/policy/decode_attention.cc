@@ -62,11 +62,11 @@ inline __m512 Sum16(const __m512* r) {
   return _mm512_add_ps(_mm512_shuffle_f32x4(w01, w23, 0x88), _mm512_shuffle_f32x4(w01, w23, 0xdd));
 }
 
-// One (row, kv head): its G queries over S slots. valid: the row's mask as 16-slot bit blocks
-// (0 past S); p: G * S16 floats of scratch.
-void AttendHead(const Problem& P, const float* q, const float* k, const float* v, const __mmask16* valid,
-                float* o, float* p) {
-  const int64_t G = P.G, H = P.H, S = P.S, S16 = (S + 15) / 16 * 16;
+// One (row, kv head): its G queries over its first S slots. valid: the row's mask as 16-slot
+// bit blocks (0 past S); p: G * S16 floats of scratch.
+void AttendHead(const Problem& P, int64_t S, const float* q, const float* k, const float* v,
+                const __mmask16* valid, float* o, float* p) {
+  const int64_t G = P.G, H = P.H, S16 = (S + 15) / 16 * 16;
   const __m512 scale = _mm512_set1_ps(P.scale), lowest = _mm512_set1_ps(std::numeric_limits<float>::lowest());
   for (int64_t g = 0; g < G; ++g, p += S16) {
     const float* qg = q + g * H;
@@ -115,14 +115,19 @@ void AttendRows(const Problem& P, int64_t b0, int64_t b1) {
   std::vector<__mmask16> valid(S16 / 16);
   for (int64_t b = b0; b < b1; ++b) {
     const bool* m = P.mask + b * S;
-    for (int64_t s0 = 0; s0 < S; s0 += 16) {
+    // Slots after the row's last valid one would get weight exp(lowest - max) = 0: skip them, so a
+    // step reads the slots written so far, not the whole cache. No valid slot: all S, uniform.
+    int64_t used = S;
+    while (used > 0 && !m[used - 1]) --used;
+    if (used == 0) used = S;
+    for (int64_t s0 = 0; s0 < used; s0 += 16) {
       unsigned bits = 0;
-      for (int64_t j = 0; j < 16 && s0 + j < S; ++j) bits |= m[s0 + j] ? 1u << j : 0u;
+      for (int64_t j = 0; j < 16 && s0 + j < used; ++j) bits |= m[s0 + j] ? 1u << j : 0u;
       valid[s0 / 16] = static_cast<__mmask16>(bits);
     }
     for (int64_t kh = 0; kh < K; ++kh) {
       const int64_t i = b * K + kh;
-      AttendHead(P, P.q + i * G * H, P.k + i * S * H, P.v + i * S * H, valid.data(), P.out + i * G * H,
+      AttendHead(P, used, P.q + i * G * H, P.k + i * S * H, P.v + i * S * H, valid.data(), P.out + i * G * H,
                  scratch.data());
     }
   }
