@@ -9,6 +9,7 @@ import pytest
 
 from configs import tiny
 from rl_scaling import sharding
+from rl_scaling.policy import model as model_lib
 from rl_scaling.rl import train_step as ts
 from tests.conftest import TINY
 
@@ -84,6 +85,27 @@ def test_shared_prompt_logprobs_equal_teacher_forcing(tiny_params):
     completion = batch["token_mask"][:, 1:] & (np.arange(1, L) >= 5)
     np.testing.assert_allclose(got[completion], ref[completion], rtol=0, atol=2e-5)
     assert np.all(got[:, :4] == 0.0)
+    grads = [jax.grad(lambda p, f=f: jax.numpy.sum(f(p) * weight))(tiny_params) for f in (full, shared)]
+    for a, b in zip(*map(jax.tree.leaves, grads)):
+        np.testing.assert_allclose(b, a, rtol=1e-4, atol=2e-5)
+
+
+def test_shared_prompt_causal_blocks_equal_teacher_forcing(tiny_params):
+    """Completions long enough to run in several causal blocks (Decoder(query_offset=P)): their
+    log-probs and the gradient of a weighted sum still equal the full rows'."""
+    rng = np.random.default_rng(6)
+    n_prompts, prompt_len, length = 2, 6, 6 + 41
+    assert len(model_lib.causal_blocks(length - 1 - prompt_len)) > 1
+    prompts = np.repeat(rng.integers(3, 60, size=(n_prompts, 1, prompt_len)), G, axis=1).reshape(-1, prompt_len)
+    tokens = np.concatenate([prompts, rng.integers(3, 60, size=(n_prompts * G, length - prompt_len))], 1)
+    mask = np.ones_like(tokens, bool)
+    mask[:G, :2] = False  # the first prompt left-padded
+    tokens, mask = jax.numpy.asarray(np.where(mask, tokens, 0).astype(np.int32)), jax.numpy.asarray(mask)
+    weight = rng.normal(size=(n_prompts * G, length - 1)) * (np.arange(1, length) >= prompt_len)
+    full = lambda p: ts.token_logprobs(p, UNROLLED, tokens, mask)  # noqa: E731
+    shared = lambda p: ts.shared_prompt_logprobs(p, UNROLLED, tokens, mask, G, prompt_len)  # noqa: E731
+    ref, got = np.asarray(full(tiny_params)), np.asarray(shared(tiny_params))
+    np.testing.assert_allclose(got[:, prompt_len - 1:], ref[:, prompt_len - 1:], rtol=0, atol=2e-5)
     grads = [jax.grad(lambda p, f=f: jax.numpy.sum(f(p) * weight))(tiny_params) for f in (full, shared)]
     for a, b in zip(*map(jax.tree.leaves, grads)):
         np.testing.assert_allclose(b, a, rtol=1e-4, atol=2e-5)

@@ -126,6 +126,7 @@ def apply_rope(x_BTNH, positions_BT, inv_freq):
 
 class Attention(nn.Module):
     cfg: ModelConfig
+    query_offset: int | None = None  # see Decoder
 
     @nn.compact
     def __call__(self, x_BTD, positions_BT, masks, cache_kv, cache_index_B, is_nope=None):
@@ -186,7 +187,7 @@ class Attention(nn.Module):
             out_nBCKGH = jax.lax.map(lambda qm: block(*qm), (split(q_BTKGH), tuple(map(split, masks))))
             out_BTKGH = out_nBCKGH.swapaxes(0, 1).reshape(B, n * C, K, G, H)[:, :T]
         else:
-            out_BTKGH = _attend(q_BTKGH, k_BKSH, v_BKSH, select(masks), dtype)
+            out_BTKGH = _attend(q_BTKGH, k_BKSH, v_BKSH, select(masks), dtype, self.query_offset)
         out_BTNH = out_BTKGH.reshape(B, T, cfg.n_heads, H)
         out_BTD = nn.DenseGeneral(
             cfg.d_model, axis=(-2, -1), dtype=dtype, param_dtype=pdtype, use_bias=False, name="o",
@@ -215,13 +216,18 @@ def causal_blocks(T: int) -> list[tuple[int, int]]:
     return list(zip([0] + ends[:-1], ends))
 
 
-def _attend(q_BTKGH, k_BKSH, v_BKSH, mask_BTS, dtype):
+def _attend(q_BTKGH, k_BKSH, v_BKSH, mask_BTS, dtype, query_offset=None):
     """Softmax attention of T queries over S keys; scores and softmax in float32. Training:
-    causal blocks; a decode step on XLA:CPU: the cpu_attention kernel; else _attend_cached."""
+    causal blocks; a decode step on XLA:CPU: the cpu_attention kernel; else _attend_cached,
+    in causal blocks too where every row's queries sit at cache slots [query_offset, +T)."""
     B, T, K, G, H = q_BTKGH.shape
     if T == k_BKSH.shape[2] and T > 1:  # training: causal, so a block of queries needs only the keys up to its last
         return jnp.concatenate([_attend_block(q_BTKGH[:, lo:hi], k_BKSH[:, :, :hi], v_BKSH[:, :, :hi],
                                               mask_BTS[:, lo:hi, :hi], dtype) for lo, hi in causal_blocks(T)], axis=1)
+    if query_offset is not None and T > 1:  # block [lo, hi) reads the slots up to its last query's, P + hi
+        P = query_offset
+        return jnp.concatenate([_attend_cached(q_BTKGH[:, lo:hi], k_BKSH[:, :, :P + hi], v_BKSH[:, :, :P + hi],
+                                               mask_BTS[:, lo:hi, :P + hi], dtype) for lo, hi in causal_blocks(T)], axis=1)
     if cpu_attention.applies(q_BTKGH, k_BKSH, v_BKSH, dtype):  # a decode step on XLA:CPU: one custom call
         reference = functools.partial(_attend_cached, dtype=dtype)
         return jax.lax.platform_dependent(q_BTKGH, k_BKSH, v_BKSH, mask_BTS, default=reference,
@@ -278,6 +284,7 @@ class Block(nn.Module):
     """One decoder layer; scanned over the layer axis by `Decoder`."""
 
     cfg: ModelConfig
+    query_offset: int | None = None  # see Decoder
 
     @nn.compact
     def __call__(self, carry, layer_idx, positions_BT, masks, cache_index_B):
@@ -286,7 +293,7 @@ class Block(nn.Module):
         x_BTD, cache_kv = carry  # cache_kv: None (training) or this layer's (k, v)
         x_BTD = sharding.constrain(x_BTD, ("batch", "length", "embed"))
         h_BTD = RMSNorm(cfg.norm_eps, dtype, name="attn_norm")(x_BTD)
-        attn = Attention(cfg, name="attn")
+        attn = Attention(cfg, self.query_offset, name="attn")
         # Llama 4: every n-th layer has no RoPE and attends globally; the others are chunked.
         # The layer index is a traced scan input (or a Python int when the layers run one by one):
         # Attention selects q, k and the mask.
@@ -304,6 +311,10 @@ class Block(nn.Module):
 
 class Decoder(nn.Module):
     cfg: ModelConfig
+    # With a cache: every row's first new token goes to this slot (static; the trainer's
+    # completions after a shared prompt, train_step.shared_prompt_logprobs), so attention runs
+    # in causal blocks of queries, each over the slots up to its last query's.
+    query_offset: int | None = None
 
     @nn.compact
     def __call__(self, tokens_BT, positions_BT, token_mask_BT, cache=None, return_hidden=False):
@@ -357,7 +368,7 @@ class Decoder(nn.Module):
                 in_axes=(0, nn.broadcast, nn.broadcast, nn.broadcast),
                 length=cfg.n_layers,
                 metadata_params={nn.PARTITION_NAME: "layers"},
-            )(cfg, name="layers")
+            )(cfg, self.query_offset, name="layers")
             (x_BTD, _), _ = layers((x_BTD, None), jnp.arange(cfg.n_layers), positions_BT, masks, None)
             new_kv = None
         else:
@@ -366,7 +377,7 @@ class Decoder(nn.Module):
             # every step; the weights may come pre-split (`split_layers`, once per sampling
             # call) so their slices are not copied per step either.
             def run_layer(layer_params, x_BTD, kv, i):
-                (x_BTD, kv), _ = Block(cfg).apply({"params": layer_params}, (x_BTD, kv), i, positions_BT, masks,
+                (x_BTD, kv), _ = Block(cfg, self.query_offset).apply({"params": layer_params}, (x_BTD, kv), i, positions_BT, masks,
                                                   cache_index_B)
                 return x_BTD, kv
 
