@@ -14,7 +14,8 @@ RMSNorm eps 1e-6, RoPE theta 1e6, float32, 2 threads. Cases, each printed as one
   train:   the update alone on those 256 sequences: model FLOP/s (compute.py's count, causal
            attention, every row's prompt) as a fraction of the jax float32 matmul FLOP/s measured
            in this process (frac_of_peak), and the FLOPs the step computes (each group's prompt
-           once, train_step.shared_prompt_logprobs; every query over the whole KV cache) as a
+           once, train_step.shared_prompt_logprobs; attention over the whole KV cache, an upper
+           bound: the completion pass's causal blocks skip some of it) as a
            fraction too (computed_frac_of_peak), next to XLA's cost_analysis of the jitted step,
            which counts what is computed (elementwise work and the optimizer too).
 Each figure is the median of --reps timed calls after --warmup untimed ones.
@@ -172,7 +173,8 @@ def bench_train(cfg, reps, warmup, peak):
     # compute.py: causal attention over the L-1 positions the trainer feeds.
     _, model_flops = compute.sequence_flops(cfg, np.zeros(B), lens - 1)
     # What the step computes: each group's prompt once (its PROMPT_LEN tokens, then the B rows'
-    # L-1-PROMPT_LEN completion positions), every query scoring the L-1 slots of the KV cache.
+    # L-1-PROMPT_LEN completion positions), every query scoring the L-1 slots of the KV cache (an
+    # upper bound: the completion pass's causal blocks skip the slots after each block's last query).
     tokens = B // G * PROMPT_LEN + B * (L - 1 - PROMPT_LEN)
     computed = 3.0 * compute.forward_flops(cfg, tokens, tokens * (L - 1))
     return {"train_s_median": t, "model_gflop_s": model_flops / t / 1e9, "peak_gflop_s": peak / 1e9,

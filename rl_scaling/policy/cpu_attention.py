@@ -2,8 +2,8 @@
 
 XLA:CPU runs a decode step's attention as B*K tiny batched matmuls and a few softmax fusions;
 the kernel does each (row, kv head) in one pass, rows split over XLA's threads. At the RL
-step's generation shapes (256 rows, 64 new tokens) that is ~35% of the tiny preset's
-generation time and ~15% of the small preset's (launch/bench.py).
+step's generation shapes (256 rows, 64 new tokens) it takes a third off the tiny preset's
+generation time and a fifth off the small preset's (launch/bench.py presets).
 
 The source is compiled on first use with the host's C++ compiler ($CXX, else c++) for this CPU
 (-march=native) into $XDG_CACHE_HOME/rl_scaling (default ~/.cache/rl_scaling), keyed by the
