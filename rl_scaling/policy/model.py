@@ -221,18 +221,23 @@ def _attend(q_BTKGH, k_BKSH, v_BKSH, mask_BTS, dtype, query_offset=None):
     causal blocks; a decode step on XLA:CPU: the cpu_attention kernel; else _attend_cached,
     in causal blocks too where every row's queries sit at cache slots [query_offset, +T)."""
     B, T, K, G, H = q_BTKGH.shape
-    if T == k_BKSH.shape[2] and T > 1:  # training: causal, so a block of queries needs only the keys up to its last
-        return jnp.concatenate([_attend_block(q_BTKGH[:, lo:hi], k_BKSH[:, :, :hi], v_BKSH[:, :, :hi],
-                                              mask_BTS[:, lo:hi, :hi], dtype) for lo, hi in causal_blocks(T)], axis=1)
-    if query_offset is not None and T > 1:  # block [lo, hi) reads the slots up to its last query's, P + hi
-        P = query_offset
-        return jnp.concatenate([_attend_cached(q_BTKGH[:, lo:hi], k_BKSH[:, :, :P + hi], v_BKSH[:, :, :P + hi],
-                                               mask_BTS[:, lo:hi, :P + hi], dtype) for lo, hi in causal_blocks(T)], axis=1)
+    if T == k_BKSH.shape[2] and T > 1:  # training: the queries are the keys
+        return _in_causal_blocks(_attend_block, q_BTKGH, k_BKSH, v_BKSH, mask_BTS, dtype, 0)
+    if query_offset is not None and T > 1:
+        return _in_causal_blocks(_attend_cached, q_BTKGH, k_BKSH, v_BKSH, mask_BTS, dtype, query_offset)
     if cpu_attention.applies(q_BTKGH, k_BKSH, v_BKSH, dtype):  # a decode step on XLA:CPU: one custom call
         reference = functools.partial(_attend_cached, dtype=dtype)
         return jax.lax.platform_dependent(q_BTKGH, k_BKSH, v_BKSH, mask_BTS, default=reference,
                                           cpu=lambda *args: cpu_attention.decode_attention(*args, reference))
     return _attend_cached(q_BTKGH, k_BKSH, v_BKSH, mask_BTS, dtype)
+
+
+def _in_causal_blocks(attend, q_BTKGH, k_BKSH, v_BKSH, mask_BTS, dtype, offset):
+    """`attend` over blocks of the T queries, which sit at slots [offset, offset + T): block
+    [lo, hi) reads only the slots up to its last query's, [0, offset + hi); the rest are masked."""
+    return jnp.concatenate([attend(q_BTKGH[:, lo:hi], k_BKSH[:, :, :offset + hi], v_BKSH[:, :, :offset + hi],
+                                   mask_BTS[:, lo:hi, :offset + hi], dtype) for lo, hi in causal_blocks(q_BTKGH.shape[1])],
+                           axis=1)
 
 
 def _attend_cached(q_BTKGH, k_BKSH, v_BKSH, mask_BTS, dtype):

@@ -120,13 +120,13 @@ def shared_prompt_logprobs(params, model_cfg, tokens_BL, token_mask_BL, group_si
     G, P = group_size, prompt_len
     B, L = tokens_BL.shape
     positions_BL = model_lib.positions_from_mask(token_mask_BL)
-    apply = functools.partial(model_lib.Decoder(model_cfg).apply, {"params": params})
+    variables = {"params": params}
     cache = model_lib.init_cache(model_cfg, B // G, P)  # the prompt attends over its own P slots
-    logits_pPV, cache = apply(tokens_BL[::G, :P], positions_BL[::G, :P], token_mask_BL[::G, :P], cache)
+    logits_pPV, cache = model_lib.Decoder(model_cfg).apply(
+        variables, tokens_BL[::G, :P], positions_BL[::G, :P], token_mask_BL[::G, :P], cache)
     cache = jax.tree.map(lambda x: jnp.repeat(x, G, axis=0), model_lib.grow_cache(cache, L - 1))
-    complete = model_lib.Decoder(model_cfg, query_offset=P).apply  # every row's completion starts at slot P
-    logits_BCV, _ = complete({"params": params}, tokens_BL[:, P:-1], positions_BL[:, P:-1], token_mask_BL[:, P:-1],
-                             cache)
+    logits_BCV, _ = model_lib.Decoder(model_cfg, query_offset=P).apply(  # every row's completion starts at slot P
+        variables, tokens_BL[:, P:-1], positions_BL[:, P:-1], token_mask_BL[:, P:-1], cache)
     logits_BTV = jnp.concatenate([jnp.repeat(logits_pPV[:, -1:], G, axis=0), logits_BCV], axis=1)
     return jnp.pad(target_logprobs(logits_BTV, tokens_BL[:, P:], temperature), ((0, 0), (P - 1, 0)))
 
