@@ -5,21 +5,19 @@
 // the same softmax as model._attend (masked slots get the lowest float, then exp(x - max) / sum),
 // in one pass over each (row, kv head)'s cache, rows split over XLA's intra-op threads. XLA
 // runs these as ~256 tiny batched matmuls and softmax fusions per step. AVX-512 only, head_dim a
-// multiple of 16; cpu_attention.py builds this file with the host's compiler and falls back
+// multiple of 16; cpu_kernels.py builds this file with the host's compiler and falls back
 // to XLA's attention where it cannot.
-#include <immintrin.h>
-
-#include <atomic>
 #include <cstdint>
 #include <limits>
-#include <memory>
 #include <vector>
 
-#include "xla/ffi/api/ffi.h"
+#include "cpu_kernels.h"
 
 namespace ffi = xla::ffi;
 
 namespace {
+
+using rl_scaling::Exp;
 
 struct Problem {
   int64_t B, K, G, H, S;
@@ -28,25 +26,6 @@ struct Problem {
   float scale;
   float* out;
 };
-
-// exp(x) for x <= 0 (Cephes' polynomial, ~1 ulp); 0 below ln(FLT_MIN), as XLA's exp underflows.
-inline __m512 Exp(__m512 x) {
-  const __m512 lo = _mm512_set1_ps(-87.3365447505531f);
-  const __mmask16 under = _mm512_cmp_ps_mask(x, lo, _CMP_LT_OQ);
-  x = _mm512_max_ps(x, lo);
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-  __m512 y = _mm512_set1_ps(1.9875691500e-4f);
-  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.3981999507e-3f));
-  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(8.3334519073e-3f));
-  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(4.1665795894e-2f));
-  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.6666665459e-1f));
-  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(5.0000001201e-1f));
-  y = _mm512_fmadd_ps(y, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.f)));
-  return _mm512_maskz_mov_ps(static_cast<__mmask16>(~under), _mm512_scalef_ps(y, n));
-}
 
 // Lane j of the result: the sum of the 16 lanes of r[j] (a transpose-and-add tree).
 inline __m512 Sum16(const __m512* r) {
@@ -133,15 +112,6 @@ void AttendRows(const Problem& P, int64_t b0, int64_t b1) {
   }
 }
 
-// Row blocks run on XLA's intra-op pool; the calling thread runs the first, then takes any
-// block no pool thread has started (so a busy pool never leaves it waiting), then waits.
-struct Blocks {
-  explicit Blocks(int64_t n) : claimed(n), done(n) {
-    for (int64_t i = 0; i < n; ++i) claimed[i].store(false), done[i].store(false);
-  }
-  std::vector<std::atomic<bool>> claimed, done;
-};
-
 ffi::Error DecodeAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k,
                            ffi::Buffer<ffi::F32> v, ffi::Buffer<ffi::PRED> mask, float scale,
                            ffi::ResultBuffer<ffi::F32> out) {
@@ -150,21 +120,9 @@ ffi::Error DecodeAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::B
     return ffi::Error::InvalidArgument("decode_attention: q [B, K, G, H] and k [B, K, S, H] with H % 16 == 0");
   const Problem P{qd[0], qd[1], qd[2], qd[3], kd[2], q.typed_data(), k.typed_data(), v.typed_data(),
                   mask.typed_data(), scale, out->typed_data()};
-  int64_t n = pool.num_threads() < P.B ? pool.num_threads() : P.B;
-  if (n < 2) {
-    AttendRows(P, 0, P.B);
-    return ffi::Error::Success();
-  }
-  auto blocks = std::make_shared<Blocks>(n);
-  auto run = [P, n, blocks](int64_t i) {
-    if (blocks->claimed[i].exchange(true)) return;
-    AttendRows(P, P.B * i / n, P.B * (i + 1) / n);
-    blocks->done[i].store(true, std::memory_order_release);
-  };
-  for (int64_t i = 1; i < n; ++i) pool.Schedule([run, i] { run(i); });
-  for (int64_t i = 0; i < n; ++i) run(i);
-  for (int64_t i = 1; i < n; ++i)
-    while (!blocks->done[i].load(std::memory_order_acquire)) _mm_pause();
+  // One block of rows per pool thread (the caller takes any a busy pool has not started).
+  const int64_t n = pool.num_threads() < 1 ? 1 : pool.num_threads() < P.B ? pool.num_threads() : P.B;
+  rl_scaling::ParallelFor(pool, n, [&P, n](int64_t i) { AttendRows(P, P.B * i / n, P.B * (i + 1) / n); });
   return ffi::Error::Success();
 }
 

@@ -8,6 +8,8 @@ from typing import TYPE_CHECKING
 import jax.numpy as jnp
 from flax import linen as nn
 
+from rl_scaling.policy import cpu_kernels
+
 if TYPE_CHECKING:
     from rl_scaling.policy.model import ModelConfig
 
@@ -35,6 +37,12 @@ class SwiGLU(nn.Module):
         # matmuls; with (batch, length) as two contracted axes XLA:CPU transposes the [N, F]
         # activation gradients inside their elementwise fusions, which dominated the step.
         x_ND = x_BTD.reshape(-1, x_BTD.shape[-1])
+        if self.has_variable("panels", "gate_up") and cpu_kernels.panels_apply(x_ND):  # a decode step on XLA:CPU
+            w = {name: self.variables["params"][name]["kernel"] for name in ("gate", "up", "down")}
+            h_NF = cpu_kernels.swiglu(x_ND, self.get_variable("panels", "gate_up"),
+                                      lambda x: nn.silu(x @ w["gate"]) * (x @ w["up"]))
+            out_ND = cpu_kernels.matmul(h_NF, self.get_variable("panels", "down"), lambda h: h @ w["down"])
+            return out_ND.reshape(x_BTD.shape[:-1] + (cfg.d_model,))
         gate_NF = dense("gate", self.hidden, ("embed", "mlp"))(x_ND)
         up_NF = dense("up", self.hidden, ("embed", "mlp"))(x_ND)
         out_ND = dense("down", cfg.d_model, ("mlp", "embed"))(nn.silu(gate_NF) * up_NF)

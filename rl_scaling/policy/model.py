@@ -28,7 +28,7 @@ import jax.numpy as jnp
 from flax import linen as nn
 
 from rl_scaling import sharding
-from rl_scaling.policy import cpu_attention, moe
+from rl_scaling.policy import cpu_kernels, moe
 from rl_scaling.policy.mlp import DTYPES, SwiGLU, dense_init  # model_lib.DTYPES stays importable
 
 
@@ -143,9 +143,20 @@ class Attention(nn.Module):
                 kernel_init=nn.with_logical_partitioning(dense_init(), ("embed",) + axes),
             )(x_BTD)
 
-        q_BTNH = proj("q", cfg.n_heads, ("heads", "head_dim"))
-        k_BTKH = proj("k", K, ("kv_heads", "head_dim"))
-        v_BTKH = proj("v", K, ("kv_heads", "head_dim"))
+        B, T, D = x_BTD.shape
+        x_MD = x_BTD.reshape(B * T, D)
+        if self.has_variable("panels", "qkv") and cpu_kernels.panels_apply(x_MD):  # a decode step on XLA:CPU
+            w = self.variables["params"]
+            kernels_DN = [w[name]["kernel"].reshape(D, -1) for name in ("q", "k", "v")]
+            qkv_MN = cpu_kernels.matmul(x_MD, self.get_variable("panels", "qkv"),
+                                        lambda x: jnp.concatenate([x @ k for k in kernels_DN], -1))
+            n_q, n_k = kernels_DN[0].shape[1], kernels_DN[1].shape[1]
+            q_MN, k_MN, v_MN = jnp.split(qkv_MN, [n_q, n_q + n_k], -1)
+            q_BTNH, k_BTKH, v_BTKH = (y.reshape(B, T, -1, H) for y in (q_MN, k_MN, v_MN))
+        else:
+            q_BTNH = proj("q", cfg.n_heads, ("heads", "head_dim"))
+            k_BTKH = proj("k", K, ("kv_heads", "head_dim"))
+            v_BTKH = proj("v", K, ("kv_heads", "head_dim"))
         inv_freq = rope_frequencies(cfg)
         q_rope, k_rope = apply_rope(q_BTNH, positions_BT, inv_freq), apply_rope(k_BTKH, positions_BT, inv_freq)
         if cfg.use_qk_norm:
@@ -164,7 +175,6 @@ class Attention(nn.Module):
             # cache_kv: this layer's own [B, K, S, H] keys and values (separate buffers per layer,
             # so reading one never copies it out of a stack; heads before slots, so the attention
             # matmuls need no transpose); write the new ones at each row's own offset.
-            B, T = k_BTKH.shape[:2]
             rows_BT = jnp.broadcast_to(jnp.arange(B)[:, None], (B, T))
             slots_BT = cache_index_B[:, None] + jnp.arange(T)[None, :]
 
@@ -176,7 +186,6 @@ class Attention(nn.Module):
         else:
             k_BKSH, v_BKSH, new_cache_kv = k_BTKH.swapaxes(1, 2), v_BTKH.swapaxes(1, 2), None
 
-        B, T = x_BTD.shape[:2]
         q_BTKGH = q_BTNH.reshape(B, T, K, G, H)
         C = cfg.attn_query_chunk
         if C and T > C:  # blocks of C queries (padded), each recomputed in the backward pass
@@ -189,6 +198,11 @@ class Attention(nn.Module):
         else:
             out_BTKGH = _attend(q_BTKGH, k_BKSH, v_BKSH, select(masks), dtype, self.query_offset)
         out_BTNH = out_BTKGH.reshape(B, T, cfg.n_heads, H)
+        out_MN = out_BTNH.reshape(B * T, cfg.n_heads * H)
+        if self.has_variable("panels", "o") and cpu_kernels.panels_apply(out_MN):
+            kernel_ND = self.variables["params"]["o"]["kernel"].reshape(cfg.n_heads * H, cfg.d_model)
+            out_MD = cpu_kernels.matmul(out_MN, self.get_variable("panels", "o"), lambda x: x @ kernel_ND)
+            return out_MD.reshape(B, T, cfg.d_model), new_cache_kv
         out_BTD = nn.DenseGeneral(
             cfg.d_model, axis=(-2, -1), dtype=dtype, param_dtype=pdtype, use_bias=False, name="o",
             kernel_init=nn.with_logical_partitioning(dense_init(), ("heads", "head_dim", "embed")),
@@ -218,17 +232,17 @@ def causal_blocks(T: int) -> list[tuple[int, int]]:
 
 def _attend(q_BTKGH, k_BKSH, v_BKSH, mask_BTS, dtype, query_offset=None):
     """Softmax attention of T queries over S keys; scores and softmax in float32. Training:
-    causal blocks; a decode step on XLA:CPU: the cpu_attention kernel; else _attend_cached,
+    causal blocks; a decode step on XLA:CPU: the cpu_kernels kernel; else _attend_cached,
     in causal blocks too where every row's queries sit at cache slots [query_offset, +T)."""
     B, T, K, G, H = q_BTKGH.shape
     if T == k_BKSH.shape[2] and T > 1:  # training: the queries are the keys
         return _in_causal_blocks(_attend_block, q_BTKGH, k_BKSH, v_BKSH, mask_BTS, dtype, 0)
     if query_offset is not None and T > 1:
         return _in_causal_blocks(_attend_cached, q_BTKGH, k_BKSH, v_BKSH, mask_BTS, dtype, query_offset)
-    if cpu_attention.applies(q_BTKGH, k_BKSH, v_BKSH, dtype):  # a decode step on XLA:CPU: one custom call
+    if cpu_kernels.applies(q_BTKGH, k_BKSH, v_BKSH, dtype):  # a decode step on XLA:CPU: one custom call
         reference = functools.partial(_attend_cached, dtype=dtype)
         return jax.lax.platform_dependent(q_BTKGH, k_BKSH, v_BKSH, mask_BTS, default=reference,
-                                          cpu=lambda *args: cpu_attention.decode_attention(*args, reference))
+                                          cpu=lambda *args: cpu_kernels.decode_attention(*args, reference))
     return _attend_cached(q_BTKGH, k_BKSH, v_BKSH, mask_BTS, dtype)
 
 
@@ -381,9 +395,9 @@ class Decoder(nn.Module):
             # since a scan would slice (copy) the layer's cache and weights out of the stacks at
             # every step; the weights may come pre-split (`split_layers`, once per sampling
             # call) so their slices are not copied per step either.
-            def run_layer(layer_params, x_BTD, kv, i):
-                (x_BTD, kv), _ = Block(cfg, self.query_offset).apply({"params": layer_params}, (x_BTD, kv), i, positions_BT, masks,
-                                                  cache_index_B)
+            def run_layer(layer_variables, x_BTD, kv, i):
+                (x_BTD, kv), _ = Block(cfg, self.query_offset).apply(layer_variables, (x_BTD, kv), i, positions_BT, masks,
+                                                                     cache_index_B)
                 return x_BTD, kv
 
             if cfg.remat and cache is None:
@@ -391,10 +405,12 @@ class Decoder(nn.Module):
             per_layer = self.variables["params"]["layers"]
             if not isinstance(per_layer, (list, tuple)):
                 per_layer = split_layers({"layers": per_layer})["layers"]
+            panels = self.variables.get("panels", {}).get("layers")  # decode_panels
             new_k, new_v = [], []
             for i, layer_params in enumerate(per_layer):
                 kv = None if cache is None else (cache["k"][i], cache["v"][i])
-                x_BTD, kv = run_layer(layer_params, x_BTD, kv, i)
+                layer_variables = {"params": layer_params, **({"panels": panels[i]} if panels else {})}
+                x_BTD, kv = run_layer(layer_variables, x_BTD, kv, i)
                 # The scan's carry stores the residual stream in cfg.dtype between layers; without
                 # the barrier XLA fuses across layers and skips that rounding, and a bfloat16
                 # generator would drift from the trainer's recompute of its log-probs.
@@ -414,7 +430,13 @@ class Decoder(nn.Module):
             )
         if return_hidden:
             return x_BTD, kernel_DV
-        logits_BTV = lm_head(x_BTD, kernel_DV, cfg)
+        x_MD = x_BTD.reshape(B * T, cfg.d_model)
+        if self.has_variable("panels", "lm_head") and cpu_kernels.panels_apply(x_MD):  # a decode step on XLA:CPU
+            logits_MV = cpu_kernels.matmul(x_MD, self.get_variable("panels", "lm_head"),
+                                           lambda x: lm_head(x, kernel_DV, cfg))
+            logits_BTV = logits_MV.reshape(B, T, cfg.vocab_size)
+        else:
+            logits_BTV = lm_head(x_BTD, kernel_DV, cfg)
 
         if cache is None:
             return logits_BTV, None
@@ -465,6 +487,33 @@ def split_layers(params):
     stacked = params["layers"]
     n = jax.tree.leaves(stacked)[0].shape[0]
     return {**params, "layers": tuple(jax.tree.map(lambda p: p[i], stacked) for i in range(n))}
+
+
+def decode_panels(split_params, cfg: ModelConfig):
+    """{"panels": ...}: the projection, SwiGLU and LM head weights of `split_layers(params)` laid
+    out as the CPU matmul kernel's panels (cpu_kernels.to_panels), once per sampling call, for
+    `Decoder.apply`'s variables; the modules use them in decode steps. {} where the kernels do
+    not apply: another backend, no kernels, a dtype other than float32."""
+    if not (jax.default_backend() == "cpu" and cfg.dtype == cfg.param_dtype == "float32" and cpu_kernels.available()):
+        return {}
+    fits = lambda w_KN, width=cpu_kernels.PANEL: w_KN.shape[1] % width == 0  # noqa: E731
+    layers = []
+    for layer in split_params["layers"]:
+        attn, panels = layer["attn"], {}
+        qkv_DN = jnp.concatenate([attn[n]["kernel"].reshape(cfg.d_model, -1) for n in ("q", "k", "v")], -1)
+        o_ND = attn["o"]["kernel"].reshape(-1, cfg.d_model)
+        if fits(qkv_DN) and fits(o_ND):
+            panels["attn"] = {"qkv": cpu_kernels.to_panels(qkv_DN), "o": cpu_kernels.to_panels(o_ND)}
+        if "mlp" in layer and fits(layer["mlp"]["gate"]["kernel"], cpu_kernels.PANEL // 2) and fits(layer["mlp"]["down"]["kernel"]):
+            mlp = layer["mlp"]
+            panels["mlp"] = {"gate_up": cpu_kernels.to_swiglu_panels(mlp["gate"]["kernel"], mlp["up"]["kernel"]),
+                             "down": cpu_kernels.to_panels(mlp["down"]["kernel"])}
+        layers.append(panels)
+    out = {"layers": tuple(layers)}
+    head_DV = split_params["embed"].T if cfg.tie_embeddings else split_params["lm_head"]
+    if fits(head_DV):
+        out["lm_head"] = cpu_kernels.to_panels(head_DV)
+    return {"panels": out}
 
 
 def positions_from_mask(token_mask_BT):

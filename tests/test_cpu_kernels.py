@@ -1,0 +1,154 @@
+"""The CPU decode kernels (policy/decode_attention.cc, decode_matmul.cc) against XLA's attention,
+numpy matmuls and a full recompute."""
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import linen as nn
+
+from rl_scaling.policy import cpu_kernels
+from rl_scaling.policy import model as model_lib
+from rl_scaling.rollout import sampler
+from tests.conftest import TINY
+
+needs_kernel = pytest.mark.skipif(not cpu_kernels.available(), reason="the kernels cannot be built on this machine")
+H16 = dataclasses.replace(TINY, head_dim=16)  # the kernel takes head dims that are multiples of 16
+
+
+def _inputs(B, K, G, H, S, seed=0):
+    rng = np.random.default_rng(seed)
+    q, k, v = (rng.normal(size=shape).astype(np.float32) for shape in ((B, 1, K, G, H), (B, K, S, H), (B, K, S, H)))
+    mask = rng.random((B, 1, S)) < 0.7
+    mask[0] = True  # every slot valid
+    if B > 1:
+        mask[1] = False  # none valid: softmax over the lowest float everywhere, uniform in both
+    return q, k, v, mask
+
+
+def _reference(q, k, v, mask):
+    return model_lib._attend_cached(q, k, v, mask, jnp.float32)
+
+
+def _kernel(q, k, v, mask):
+    return cpu_kernels.decode_attention(q, k, v, mask, _reference)
+
+
+@needs_kernel
+@pytest.mark.parametrize("B,K,G,H,S", [(3, 2, 3, 16, 1), (5, 1, 1, 32, 17), (4, 2, 2, 48, 40), (2, 4, 2, 128, 33),
+                                       (9, 2, 4, 16, 80)])
+def test_kernel_matches_xla_attention(B, K, G, H, S):
+    q, k, v, mask = _inputs(B, K, G, H, S)
+    want = jax.jit(_reference)(q, k, v, mask)
+    got = jax.jit(_kernel)(q, k, v, mask)
+    assert got.shape == want.shape == (B, 1, K, G, H)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=2e-6)
+
+
+@needs_kernel
+def test_kernel_gradient_is_xla_attentions():
+    q, k, v, mask = _inputs(3, 2, 2, 16, 9)
+    w = np.random.default_rng(1).normal(size=(3, 1, 2, 2, 16)).astype(np.float32)
+
+    def loss(fn, q, k, v):
+        return jnp.sum(fn(q, k, v, mask) * w)
+
+    want = jax.grad(functools.partial(loss, _reference), argnums=(0, 1, 2))(q, k, v)
+    got = jax.grad(functools.partial(loss, _kernel), argnums=(0, 1, 2))(q, k, v)
+    for g, r in zip(got, want):
+        np.testing.assert_allclose(np.asarray(g), np.asarray(r), rtol=1e-5, atol=1e-6)
+
+
+@needs_kernel
+def test_model_decode_uses_kernels_and_matches_full_recompute():
+    """The decoder's decode steps, with the sampler's weight panels, run the kernels (their
+    custom calls are in the compiled step) and reproduce a full forward pass's logits,
+    left-padded prompts included."""
+    params = nn.unbox(model_lib.init_params(H16, jax.random.key(3)))
+    dec = model_lib.Decoder(H16)
+    rng = np.random.default_rng(2)
+    B, P, N = 4, 6, 5
+    tokens = rng.integers(1, H16.vocab_size, size=(B, P + N)).astype(np.int32)
+    mask = np.ones((B, P + N), bool)
+    for i in range(B):
+        mask[i, :i] = False  # left padding
+    pos = model_lib.positions_from_mask(mask)
+    full, _ = dec.apply({"params": params}, tokens, pos, mask)
+    split = model_lib.split_layers(params)
+    variables = {"params": split, **model_lib.decode_panels(split, H16)}  # the sampler's weights
+    assert set(variables["panels"]["layers"][0]) == {"attn", "mlp"} and "lm_head" in variables["panels"]
+    step = jax.jit(lambda c, t, p, m: dec.apply(variables, t, p, m, c))
+    cache = model_lib.init_cache(H16, B, P + N)
+    logits, cache = dec.apply({"params": params}, tokens[:, :P], pos[:, :P], mask[:, :P], cache)
+    out = [logits]
+    for t in range(P, P + N):
+        args = (tokens[:, t:t + 1], pos[:, t:t + 1], mask[:, t:t + 1])
+        if t == P:
+            hlo = step.lower(cache, *args).compile().as_text()
+            assert all(target in hlo for target in (cpu_kernels.ATTENTION, cpu_kernels.MATMUL, cpu_kernels.SWIGLU))
+        logits, cache = step(cache, *args)
+        out.append(logits)
+    np.testing.assert_allclose(np.concatenate(out, 1)[mask], np.asarray(full)[mask], rtol=2e-5, atol=2e-5)
+
+
+def _silu_np(x):
+    return x / (1.0 + np.exp(-x.astype(np.float64)))
+
+
+@needs_kernel
+@pytest.mark.parametrize("M,K,N", [(1, 32, 32), (5, 48, 96), (12, 256, 64), (17, 64, 32), (64, 256, 1024),
+                                   (256, 32, 64)])
+def test_panel_matmul_and_swiglu_match_numpy(M, K, N):
+    """Row counts off the 12-row tile (remainders of 4 and 1), several panels, and gate values
+    far into both tails of silu (no overflow in its exp)."""
+    rng = np.random.default_rng(M * K + N)
+    x = rng.normal(size=(M, K)).astype(np.float32)
+    w, gate, up = ((rng.normal(size=(K, N)) / np.sqrt(K)).astype(np.float32) for _ in range(3))
+    gate[:, 0] *= 300.0  # columns of |x @ gate| up to ~1000
+    panels = cpu_kernels.to_panels(jnp.asarray(w))
+    assert panels.shape == (N // 32, K, 32)
+    np.testing.assert_array_equal(np.asarray(panels)[1 % (N // 32), :, 3], w[:, 32 * (1 % (N // 32)) + 3])
+    poison = lambda _: jnp.full((M, N), jnp.nan)  # noqa: E731  (the XLA reference must not be what runs)
+    got = jax.jit(lambda x, p: cpu_kernels.matmul(x, p, poison))(x, panels)
+    np.testing.assert_allclose(np.asarray(got), x.astype(np.float64) @ w, rtol=1e-5, atol=1e-5)
+    want = _silu_np(x.astype(np.float64) @ gate) * (x.astype(np.float64) @ up)
+    got = jax.jit(lambda x, p: cpu_kernels.swiglu(x, p, poison))(x, cpu_kernels.to_swiglu_panels(gate, up))
+    np.testing.assert_allclose(np.asarray(got), want, rtol=2e-5, atol=1e-5)
+
+
+@needs_kernel
+def test_sampler_with_panels_samples_the_same_tokens():
+    """sampler.sample lays out the weight panels and its decode steps run the matmul kernels
+    (their custom calls are in the compiled sampler); tokens equal those of XLA's matmuls and
+    log-probs agree to float32 rounding."""
+    params = nn.unbox(model_lib.init_params(TINY, jax.random.key(5)))
+    prompts = np.random.default_rng(3).integers(1, TINY.vocab_size, size=(3, 5)).astype(np.int32)
+    mask = np.ones_like(prompts, bool)
+    mask[1, :2] = False
+    args = (params, prompts, mask, jax.random.key(1))
+    kw = dict(cfg=TINY, max_new_tokens=20, group_size=2)
+    hlo = sampler.sample.lower(*args, **kw).compile().as_text()
+    assert cpu_kernels.MATMUL in hlo and cpu_kernels.SWIGLU in hlo
+    with_panels = sampler.sample(*args, **kw)
+    original = model_lib.decode_panels
+    model_lib.decode_panels = lambda params, cfg: {}
+    try:
+        without = jax.jit(lambda *a: sampler.sample.__wrapped__(*a, **kw))(*args)
+    finally:
+        model_lib.decode_panels = original
+    np.testing.assert_array_equal(np.asarray(with_panels.tokens_BT), np.asarray(without.tokens_BT))
+    np.testing.assert_allclose(np.asarray(with_panels.logprobs_BT), np.asarray(without.logprobs_BT), atol=2e-5)
+
+
+def test_switch_off_and_build_failure_fall_back(monkeypatch, tmp_path, caplog):
+    monkeypatch.setenv(cpu_kernels.ENV_SWITCH, "0")
+    assert not cpu_kernels.available.__wrapped__()
+    monkeypatch.delenv(cpu_kernels.ENV_SWITCH)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))  # no built kernel in this cache
+    monkeypatch.setenv("CXX", "false")  # a compiler that fails
+    assert not cpu_kernels.available.__wrapped__()
+    assert "could not be built" in caplog.text and "false exited with 1" in caplog.text
+    assert not list((tmp_path / "rl_scaling").glob("*.so"))  # no partial library left behind
