@@ -77,8 +77,7 @@ def test_model_decode_uses_kernels_and_matches_full_recompute():
         mask[i, :i] = False  # left padding
     pos = model_lib.positions_from_mask(mask)
     full, _ = dec.apply({"params": params}, tokens, pos, mask)
-    split = model_lib.split_layers(params)
-    variables = {"params": split, **model_lib.decode_panels(split, H16)}  # the sampler's weights
+    variables = {"params": model_lib.split_layers(params), **model_lib.decode_panels(params, H16)}  # the sampler's
     assert set(variables["panels"]["layers"][0]) == {"attn", "mlp"} and "lm_head" in variables["panels"]
     step = jax.jit(lambda c, t, p, m: dec.apply(variables, t, p, m, c))
     cache = model_lib.init_cache(H16, B, P + N)
@@ -108,15 +107,31 @@ def test_panel_matmul_and_swiglu_match_numpy(M, K, N):
     x = rng.normal(size=(M, K)).astype(np.float32)
     w, gate, up = ((rng.normal(size=(K, N)) / np.sqrt(K)).astype(np.float32) for _ in range(3))
     gate[:, 0] *= 300.0  # columns of |x @ gate| up to ~1000
-    panels = cpu_kernels.to_panels(jnp.asarray(w))
-    assert panels.shape == (N // 32, K, 32)
-    np.testing.assert_array_equal(np.asarray(panels)[1 % (N // 32), :, 3], w[:, 32 * (1 % (N // 32)) + 3])
     poison = lambda _: jnp.full((M, N), jnp.nan)  # noqa: E731  (the XLA reference must not be what runs)
-    got = jax.jit(lambda x, p: cpu_kernels.matmul(x, p, poison))(x, panels)
+    got = jax.jit(lambda x, w: cpu_kernels.matmul(x, cpu_kernels.panels([w[None]], 0), poison))(x, w)
     np.testing.assert_allclose(np.asarray(got), x.astype(np.float64) @ w, rtol=1e-5, atol=1e-5)
     want = _silu_np(x.astype(np.float64) @ gate) * (x.astype(np.float64) @ up)
-    got = jax.jit(lambda x, p: cpu_kernels.swiglu(x, p, poison))(x, cpu_kernels.to_swiglu_panels(gate, up))
+    swiglu = lambda x, g, u: cpu_kernels.swiglu(x, cpu_kernels.panels([g[None], u[None]], 0, interleave=True), poison)  # noqa: E731
+    got = jax.jit(swiglu)(x, gate, up)
     np.testing.assert_allclose(np.asarray(got), want, rtol=2e-5, atol=1e-5)
+
+
+@needs_kernel
+def test_panel_layout_matches_numpy():
+    """The kernel's layout of stacked weights: one layer of several sources' concatenated
+    columns, or two sources interleaved 16 columns at a time (as is XLA's reference layout)."""
+    rng = np.random.default_rng(0)
+    a, b, c = (rng.normal(size=(3, 5, n)).astype(np.float32) for n in (48, 16, 32))
+    got = np.asarray(jax.jit(lambda *w: cpu_kernels.panels(w, 1))(a, b, c))
+    cat = np.concatenate([a[1], b[1], c[1]], 1)  # [5, 96]
+    assert got.shape == (3, 5, 32)
+    for p in range(3):
+        np.testing.assert_array_equal(got[p], cat[:, 32 * p:32 * (p + 1)])
+    got = np.asarray(jax.jit(lambda g, u: cpu_kernels.panels((g, u), 2, interleave=True))(a[:, :, :32], c))
+    assert got.shape == (2, 5, 32)
+    for p in range(2):
+        np.testing.assert_array_equal(got[p], np.concatenate([a[2, :, 16 * p:16 * (p + 1)], c[2, :, 16 * p:16 * (p + 1)]], 1))
+    np.testing.assert_array_equal(got, cpu_kernels._panels_reference((a[:, :, :32], c), 2, True))
 
 
 @needs_kernel

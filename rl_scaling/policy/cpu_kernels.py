@@ -7,9 +7,9 @@ decode_attention.cc and decode_matmul.cc, sharing cpu_kernels.h).
   tiny preset's generation time and a fifth off the small preset's (launch/bench.py presets).
 - Matmuls of a few rows (q/k/v, o, SwiGLU, LM head): YNN runs the sampler's [64, 256] @
   [256, 1024] at ~55% of the float32 peak inside the decode loop. The kernel reads the weights
-  as contiguous 32-column panels, laid out once per sampling call (`decode_panels`, a "panels"
-  variable collection the modules use when present), at ~80%; SwiGLU's silu(gate) * up is
-  computed in the same pass.
+  as contiguous 32-column panels, laid out once per sampling call (model.decode_panels, a
+  "panels" variable collection the modules use when present), at ~80%; SwiGLU's silu(gate) *
+  up is computed in the same pass.
 
 The sources are compiled on first use with the host's C++ compiler ($CXX, else c++) for this CPU
 (-march=native) into $XDG_CACHE_HOME/rl_scaling (default ~/.cache/rl_scaling), keyed by the
@@ -42,11 +42,14 @@ _HERE = os.path.dirname(os.path.abspath(__file__))
 SOURCES = tuple(os.path.join(_HERE, name) for name in ("decode_attention.cc", "decode_matmul.cc"))
 HEADER = os.path.join(_HERE, "cpu_kernels.h")
 TARGETS = {"RlScalingDecodeAttention": "rl_scaling_decode_attention",
-           "RlScalingPanelMatmul": "rl_scaling_panel_matmul", "RlScalingPanelSwiglu": "rl_scaling_panel_swiglu"}
-ATTENTION, MATMUL, SWIGLU = TARGETS.values()
+           "RlScalingPanelMatmul": "rl_scaling_panel_matmul", "RlScalingPanelSwiglu": "rl_scaling_panel_swiglu",
+           "RlScalingPanelLayout": "rl_scaling_panel_layout"}
+ATTENTION, MATMUL, SWIGLU, LAYOUT = TARGETS.values()
 ENV_SWITCH = "RL_SCALING_CPU_KERNELS"
 PANEL = 32  # columns per weight panel (decode_matmul.cc)
-MAX_PANEL_ROWS = 256  # more rows (prefill): YNN's blocking is as fast
+# Rows up to which the panel kernel runs: YNN's own blocking is no faster at 256 and 1024 rows (a
+# prefill of 64 prompts of 16 tokens); beyond, unmeasured, XLA's matmul.
+MAX_PANEL_ROWS = 1024
 
 
 def applies(q_BTKGH, k_BKSH, v_BKSH, dtype) -> bool:
@@ -82,17 +85,31 @@ decode_attention.defvjp(_forward, _backward)
 
 # ---- matmuls of few rows over weight panels ----------------------------------------------------
 
-def to_panels(w_KN):
-    """[K, N] -> [N / 32, K, 32]: each 32-column block contiguous (decode_matmul.cc)."""
-    K, N = w_KN.shape
-    return w_KN.reshape(K, N // PANEL, PANEL).swapaxes(0, 1)
+def panels(sources_LKN, layer: int, interleave: bool = False):
+    """[P, K, 32] weight panels of `layer` of the stacks `sources_LKN` ([L, K, N_i] each), their
+    columns concatenated: each 32-column block contiguous (decode_matmul.cc). interleave: two
+    sources (SwiGLU's gate and up), each panel 16 columns of the first then the same 16 of the
+    second. On XLA:CPU one pass of the kernel (XLA's transposes ran at ~2 GB/s, 6% of a
+    sampling call); elsewhere `_panels_reference`."""
+    N = sum(w.shape[2] for w in sources_LKN)
+    out = jax.ShapeDtypeStruct((N // PANEL, sources_LKN[0].shape[1], PANEL), jnp.float32)
+
+    def kernel(*sources):
+        return jax.ffi.ffi_call(LAYOUT, out)(*sources, layer=np.int64(layer), interleave=np.int64(interleave))
+
+    return jax.lax.platform_dependent(*sources_LKN, cpu=kernel,
+                                      default=lambda *w: _panels_reference(w, layer, interleave))
 
 
-def to_swiglu_panels(gate_KF, up_KF):
-    """Each panel 16 gate columns then the same 16 up columns: [F / 16, K, 32]."""
-    K, F = gate_KF.shape
-    half = PANEL // 2
-    return jnp.concatenate([gate_KF.reshape(K, F // half, half), up_KF.reshape(K, F // half, half)], -1).swapaxes(0, 1)
+def _panels_reference(sources_LKN, layer, interleave):
+    ws = [w[layer] for w in sources_LKN]
+    K = ws[0].shape[0]
+    if interleave:
+        half = PANEL // 2
+        w_KN = jnp.stack([w.reshape(K, -1, half) for w in ws], 2).reshape(K, -1)
+    else:
+        w_KN = jnp.concatenate(ws, -1)
+    return w_KN.reshape(K, -1, PANEL).swapaxes(0, 1)
 
 
 def panels_apply(x_MK) -> bool:
@@ -101,12 +118,12 @@ def panels_apply(x_MK) -> bool:
 
 
 def matmul(x_MK, panels_PKC, reference):
-    """x_MK @ w (`reference(x_MK)`, XLA's) with w as `to_panels(w)`; the kernel on XLA:CPU."""
+    """x_MK @ w (`reference(x_MK)`, XLA's) with w as `panels`; the kernel on XLA:CPU."""
     return _on_cpu(MATMUL, panels_PKC.shape[0] * PANEL, x_MK, panels_PKC, reference)
 
 
 def swiglu(x_MK, panels_PKC, reference):
-    """silu(x_MK @ gate) * (x_MK @ up) with the weights as `to_swiglu_panels(gate, up)`."""
+    """silu(x_MK @ gate) * (x_MK @ up) with the weights as `panels((gate, up), interleave=True)`."""
     return _on_cpu(SWIGLU, panels_PKC.shape[0] * PANEL // 2, x_MK, panels_PKC, reference)
 
 

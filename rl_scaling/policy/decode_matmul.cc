@@ -7,6 +7,7 @@
 // call by cpu_kernels.py) and each panel is multiplied by 12 rows at a time, 24 accumulators in
 // registers. SwiGLU: a panel holds 16 gate and 16 up columns, and the output is silu(gate) * up.
 #include <cstdint>
+#include <vector>
 
 #include "cpu_kernels.h"
 
@@ -81,7 +82,59 @@ ffi::Error PanelMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffe
   return ffi::Error::Success();
 }
 
+// panels [P, K, 32] <- the column concatenation of `sources` (stacks [L, K, N_i], their layer
+// `layer`); with `interleave`, two sources and each panel 16 columns of the first then the same
+// 16 of the second (SwiGLU's gate and up). Reads each weight row once, front to back.
+ffi::Error LayOutPanels(ffi::ThreadPool pool, ffi::RemainingArgs sources, int64_t layer, int64_t interleave,
+                        ffi::ResultBuffer<ffi::F32> panels) {
+  std::vector<const float*> rows;  // each source's layer, [K, N_i]
+  std::vector<int64_t> widths;
+  int64_t K = -1, N = 0;
+  for (size_t i = 0; i < sources.size(); ++i) {
+    auto source = sources.get<ffi::Buffer<ffi::F32>>(i);
+    if (!source.has_value()) return source.error();
+    auto d = source->dimensions();
+    if (d.size() != 3 || layer < 0 || layer >= d[0] || (K >= 0 && d[1] != K))
+      return ffi::Error::InvalidArgument("panel layout: sources [L, K, N_i] with one K and 0 <= layer < L");
+    K = d[1];
+    widths.push_back(d[2]);
+    rows.push_back(source->typed_data() + layer * d[1] * d[2]);
+    N += d[2];
+  }
+  const int64_t half = kPanel / 2;
+  if (N % kPanel || (interleave && (rows.size() != 2 || widths[0] != widths[1] || widths[0] % half)))
+    return ffi::Error::InvalidArgument("panel layout: columns a multiple of 32 (interleave: two sources of equal width)");
+  const int64_t P = N / kPanel, parts = K < 8 ? K : 8;
+  float* out = panels->typed_data();
+  rl_scaling::ParallelFor(pool, parts, [&, K, N, P](int64_t part) {
+    std::vector<float> row(N);
+    for (int64_t k = K * part / parts; k < K * (part + 1) / parts; ++k) {
+      if (interleave) {
+        for (int64_t c = 0; c < widths[0]; c += half)
+          for (int s = 0; s < 2; ++s)
+            _mm512_storeu_ps(row.data() + 2 * c + s * half, _mm512_loadu_ps(rows[s] + k * widths[0] + c));
+      } else {
+        float* at = row.data();
+        for (size_t s = 0; s < rows.size(); at += widths[s], ++s)
+          for (int64_t c = 0; c < widths[s]; ++c) at[c] = rows[s][k * widths[s] + c];
+      }
+      for (int64_t p = 0; p < P; ++p)
+        for (int64_t c = 0; c < kPanel; c += 16)
+          _mm512_storeu_ps(out + (p * K + k) * kPanel + c, _mm512_loadu_ps(row.data() + p * kPanel + c));
+    }
+  });
+  return ffi::Error::Success();
+}
+
 }  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(RlScalingPanelLayout, LayOutPanels,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .RemainingArgs()
+                                  .Attr<int64_t>("layer")
+                                  .Attr<int64_t>("interleave")
+                                  .Ret<ffi::Buffer<ffi::F32>>());
 
 #define RL_SCALING_PANEL_HANDLER(name, swiglu)                                                         \
   XLA_FFI_DEFINE_HANDLER_SYMBOL(name, PanelMatmul<swiglu>,                                              \

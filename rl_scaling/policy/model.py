@@ -489,30 +489,31 @@ def split_layers(params):
     return {**params, "layers": tuple(jax.tree.map(lambda p: p[i], stacked) for i in range(n))}
 
 
-def decode_panels(split_params, cfg: ModelConfig):
-    """{"panels": ...}: the projection, SwiGLU and LM head weights of `split_layers(params)` laid
-    out as the CPU matmul kernel's panels (cpu_kernels.to_panels), once per sampling call, for
-    `Decoder.apply`'s variables; the modules use them in decode steps. {} where the kernels do
-    not apply: another backend, no kernels, a dtype other than float32."""
+def decode_panels(params, cfg: ModelConfig):
+    """{"panels": ...}: the projection, SwiGLU and LM head weights laid out as the CPU matmul
+    kernel's panels (cpu_kernels.panels), once per sampling call, for `Decoder.apply`'s
+    variables (params stacked, as trained); the modules use them in decode steps. {} where the
+    kernels do not apply: another backend, no kernels, a dtype other than float32."""
     if not (jax.default_backend() == "cpu" and cfg.dtype == cfg.param_dtype == "float32" and cpu_kernels.available()):
         return {}
-    fits = lambda w_KN, width=cpu_kernels.PANEL: w_KN.shape[1] % width == 0  # noqa: E731
+    stacked, L, D = params["layers"], cfg.n_layers, cfg.d_model
+    qkv_LDN = [stacked["attn"][n]["kernel"].reshape(L, D, -1) for n in ("q", "k", "v")]
+    o_LND = stacked["attn"]["o"]["kernel"].reshape(L, -1, D)
+    mlp = stacked.get("mlp")
+    fits = lambda *ws, width=cpu_kernels.PANEL: sum(w.shape[-1] for w in ws) % width == 0  # noqa: E731
     layers = []
-    for layer in split_params["layers"]:
-        attn, panels = layer["attn"], {}
-        qkv_DN = jnp.concatenate([attn[n]["kernel"].reshape(cfg.d_model, -1) for n in ("q", "k", "v")], -1)
-        o_ND = attn["o"]["kernel"].reshape(-1, cfg.d_model)
-        if fits(qkv_DN) and fits(o_ND):
-            panels["attn"] = {"qkv": cpu_kernels.to_panels(qkv_DN), "o": cpu_kernels.to_panels(o_ND)}
-        if "mlp" in layer and fits(layer["mlp"]["gate"]["kernel"], cpu_kernels.PANEL // 2) and fits(layer["mlp"]["down"]["kernel"]):
-            mlp = layer["mlp"]
-            panels["mlp"] = {"gate_up": cpu_kernels.to_swiglu_panels(mlp["gate"]["kernel"], mlp["up"]["kernel"]),
-                             "down": cpu_kernels.to_panels(mlp["down"]["kernel"])}
+    for i in range(L):
+        panels = {}
+        if fits(*qkv_LDN) and fits(o_LND):
+            panels["attn"] = {"qkv": cpu_kernels.panels(qkv_LDN, i), "o": cpu_kernels.panels([o_LND], i)}
+        if mlp is not None and fits(mlp["gate"]["kernel"], width=cpu_kernels.PANEL // 2) and fits(mlp["down"]["kernel"]):
+            panels["mlp"] = {"gate_up": cpu_kernels.panels([mlp["gate"]["kernel"], mlp["up"]["kernel"]], i, interleave=True),
+                             "down": cpu_kernels.panels([mlp["down"]["kernel"]], i)}
         layers.append(panels)
     out = {"layers": tuple(layers)}
-    head_DV = split_params["embed"].T if cfg.tie_embeddings else split_params["lm_head"]
+    head_DV = params["embed"].T if cfg.tie_embeddings else params["lm_head"]
     if fits(head_DV):
-        out["lm_head"] = cpu_kernels.to_panels(head_DV)
+        out["lm_head"] = cpu_kernels.panels([head_DV[None]], 0)
     return {"panels": out}
 
 

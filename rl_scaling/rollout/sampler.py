@@ -82,8 +82,9 @@ def sample(params, prompt_BP, prompt_mask_BP, rng, *, cfg: model_lib.ModelConfig
     and its KV cache and last logits repeated for the group's G rows (row b samples from prompt
     b // G), so prefill costs 1/G. Tokens and log-probs are those of G copies of each prompt."""
     decoder = model_lib.Decoder(cfg)
-    params = model_lib.split_layers(params)  # once per call, and the CPU kernels' weight panels
-    apply = functools.partial(decoder.apply, {"params": params, **model_lib.decode_panels(params, cfg)})
+    variables = {"params": model_lib.split_layers(params),  # once per call, as the CPU kernels' panels
+                 **model_lib.decode_panels(params, cfg)}
+    apply = functools.partial(decoder.apply, variables)
     n_prompts, P = prompt_BP.shape
     B = n_prompts * group_size
     if cache_segments < 1:
