@@ -135,10 +135,13 @@ def test_panel_layout_matches_numpy():
 
 
 @needs_kernel
-def test_sampler_with_panels_samples_the_same_tokens():
+@pytest.mark.parametrize("max_rows", [cpu_kernels.MAX_PANEL_ROWS, 8])
+def test_sampler_with_panels_samples_the_same_tokens(monkeypatch, max_rows):
     """sampler.sample lays out the weight panels and its decode steps run the matmul kernels
     (their custom calls are in the compiled sampler); tokens equal those of XLA's matmuls and
-    log-probs agree to float32 rounding."""
+    log-probs agree to float32 rounding. max_rows 8: the 15-row prefill takes XLA's matmuls
+    beside the panels, the 6-row decode steps the kernels."""
+    monkeypatch.setattr(cpu_kernels, "MAX_PANEL_ROWS", max_rows)
     params = nn.unbox(model_lib.init_params(TINY, jax.random.key(5)))
     prompts = np.random.default_rng(3).integers(1, TINY.vocab_size, size=(3, 5)).astype(np.int32)
     mask = np.ones_like(prompts, bool)
@@ -147,7 +150,7 @@ def test_sampler_with_panels_samples_the_same_tokens():
     kw = dict(cfg=TINY, max_new_tokens=20, group_size=2)
     hlo = sampler.sample.lower(*args, **kw).compile().as_text()
     assert cpu_kernels.MATMUL in hlo and cpu_kernels.SWIGLU in hlo
-    with_panels = sampler.sample(*args, **kw)
+    with_panels = jax.jit(lambda *a: sampler.sample.__wrapped__(*a, **kw))(*args)  # traced with this max_rows
     original = model_lib.decode_panels
     model_lib.decode_panels = lambda params, cfg: {}
     try:
