@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import json
 import logging
+import os
+import socket
 import time
 
 import jax
@@ -26,11 +28,12 @@ log = logging.getLogger(__name__)
 
 
 def prepare_workdir(workdir: str) -> str:
-    """The resolved workdir (absolute, or a gs:// URL), checked writable with one probe file."""
+    """The resolved workdir (absolute, or a gs:// URL), checked writable with one probe file
+    (named per host and process: a job's processes all probe the same workdir at once)."""
     workdir = paths.resolve(workdir)  # an unsupported URL scheme is an error here, not a local folder
     try:
         paths.makedirs(workdir)
-        probe = paths.join(workdir, ".write_test")
+        probe = paths.join(workdir, f".write_test-{socket.gethostname()}-{os.getpid()}")
         paths.write_text(probe, "ok")
         paths.remove(probe)
     except Exception as e:  # noqa: BLE001 - OSError locally; client/network errors on gs://

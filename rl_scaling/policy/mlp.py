@@ -37,7 +37,7 @@ class SwiGLU(nn.Module):
         # matmuls; with (batch, length) as two contracted axes XLA:CPU transposes the [N, F]
         # activation gradients inside their elementwise fusions, which dominated the step.
         x_ND = x_BTD.reshape(-1, x_BTD.shape[-1])
-        if self.has_variable("panels", "gate_up") and cpu_kernels.panels_apply(x_ND):  # a decode step on XLA:CPU
+        if self.has_variable("panels", "gate_up") and cpu_kernels.panels_apply(x_ND):  # sampling on XLA:CPU (model.decode_panels)
             w = {name: self.variables["params"][name]["kernel"] for name in ("gate", "up", "down")}
             h_NF = cpu_kernels.swiglu(x_ND, self.get_variable("panels", "gate_up"),
                                       lambda x: nn.silu(x @ w["gate"]) * (x @ w["up"]))

@@ -145,7 +145,7 @@ class Attention(nn.Module):
 
         B, T, D = x_BTD.shape
         x_MD = x_BTD.reshape(B * T, D)
-        if self.has_variable("panels", "qkv") and cpu_kernels.panels_apply(x_MD):  # a decode step on XLA:CPU
+        if self.has_variable("panels", "qkv") and cpu_kernels.panels_apply(x_MD):  # sampling on XLA:CPU (decode_panels)
             w = self.variables["params"]
             kernels_DN = [w[name]["kernel"].reshape(D, -1) for name in ("q", "k", "v")]
             qkv_MN = cpu_kernels.matmul(x_MD, self.get_variable("panels", "qkv"),
@@ -431,7 +431,7 @@ class Decoder(nn.Module):
         if return_hidden:
             return x_BTD, kernel_DV
         x_MD = x_BTD.reshape(B * T, cfg.d_model)
-        if self.has_variable("panels", "lm_head") and cpu_kernels.panels_apply(x_MD):  # a decode step on XLA:CPU
+        if self.has_variable("panels", "lm_head") and cpu_kernels.panels_apply(x_MD):  # sampling on XLA:CPU (decode_panels)
             logits_MV = cpu_kernels.matmul(x_MD, self.get_variable("panels", "lm_head"),
                                            lambda x: lm_head(x, kernel_DV, cfg))
             logits_BTV = logits_MV.reshape(B, T, cfg.vocab_size)
@@ -500,7 +500,10 @@ def decode_panels(params, cfg: ModelConfig):
     qkv_LDN = [stacked["attn"][n]["kernel"].reshape(L, D, -1) for n in ("q", "k", "v")]
     o_LND = stacked["attn"]["o"]["kernel"].reshape(L, -1, D)
     mlp = stacked.get("mlp")
-    fits = lambda *ws, width=cpu_kernels.PANEL: sum(w.shape[-1] for w in ws) % width == 0  # noqa: E731
+
+    def fits(*ws, width=cpu_kernels.PANEL):  # the sources' columns fill whole panels
+        return sum(w.shape[-1] for w in ws) % width == 0
+
     layers = []
     for i in range(L):
         panels = {}
