@@ -77,7 +77,7 @@ def test_model_decode_uses_kernels_and_matches_full_recompute():
         mask[i, :i] = False  # left padding
     pos = model_lib.positions_from_mask(mask)
     full, _ = dec.apply({"params": params}, tokens, pos, mask)
-    variables = {"params": model_lib.split_layers(params), **model_lib.decode_panels(params, H16)}  # the sampler's
+    variables = {"params": model_lib.split_layers(params), **cpu_kernels.decode_panels(params, H16)}  # the sampler's
     assert set(variables["panels"]["layers"][0]) == {"attn", "mlp"} and "lm_head" in variables["panels"]
     step = jax.jit(lambda c, t, p, m: dec.apply(variables, t, p, m, c))
     cache = model_lib.init_cache(H16, B, P + N)
@@ -151,12 +151,8 @@ def test_sampler_with_panels_samples_the_same_tokens(monkeypatch, max_rows):
     hlo = sampler.sample.lower(*args, **kw).compile().as_text()
     assert cpu_kernels.MATMUL in hlo and cpu_kernels.SWIGLU in hlo
     with_panels = jax.jit(lambda *a: sampler.sample.__wrapped__(*a, **kw))(*args)  # traced with this max_rows
-    original = model_lib.decode_panels
-    model_lib.decode_panels = lambda params, cfg: {}
-    try:
-        without = jax.jit(lambda *a: sampler.sample.__wrapped__(*a, **kw))(*args)
-    finally:
-        model_lib.decode_panels = original
+    monkeypatch.setattr(cpu_kernels, "decode_panels", lambda params, cfg: {})
+    without = jax.jit(lambda *a: sampler.sample.__wrapped__(*a, **kw))(*args)
     np.testing.assert_array_equal(np.asarray(with_panels.tokens_BT), np.asarray(without.tokens_BT))
     np.testing.assert_allclose(np.asarray(with_panels.logprobs_BT), np.asarray(without.logprobs_BT), atol=2e-5)
 

@@ -8,7 +8,7 @@ decode_attention.cc and decode_matmul.cc, sharing cpu_kernels.h).
 - Matmuls of up to MAX_PANEL_ROWS rows (q/k/v, o, SwiGLU, LM head in decode steps and short
   prefills): YNN runs the sampler's [64, 256] @ [256, 1024] at ~55% of the float32 peak inside
   the decode loop. The kernel reads the weights as contiguous 32-column panels, laid out once
-  per sampling call (model.decode_panels, a "panels" variable collection the modules use when
+  per sampling call (`decode_panels`, a "panels" variable collection the modules use when
   present), at ~80%; SwiGLU's silu(gate) * up is computed in the same pass. The 64-row sampler
   +27-37% at small, +40% at tiny; 256 rows (the RL step's generation): +3%.
 
@@ -35,9 +35,14 @@ import platform
 import subprocess
 import tempfile
 
+from typing import TYPE_CHECKING
+
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+if TYPE_CHECKING:
+    from rl_scaling.policy.model import ModelConfig
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
 SOURCES = tuple(os.path.join(_HERE, name) for name in ("decode_attention.cc", "decode_matmul.cc"))
@@ -53,7 +58,7 @@ PANEL = 32  # columns per weight panel (decode_matmul.cc)
 MAX_PANEL_ROWS = 1024
 
 
-def applies(q_BTKGH, k_BKSH, v_BKSH, dtype) -> bool:
+def attention_applies(q_BTKGH, k_BKSH, v_BKSH, dtype) -> bool:
     """Whether a call's attention can run as the kernel: one float32 query per row on a CPU
     backend, head_dim a multiple of 16, and the kernels built."""
     return (q_BTKGH.shape[1] == 1 and q_BTKGH.shape[-1] % 16 == 0 and jnp.dtype(dtype) == jnp.float32
@@ -113,8 +118,46 @@ def _panels_reference(sources_LKN, layer, interleave):
     return w_KN.reshape(K, -1, PANEL).swapaxes(0, 1)
 
 
-def panels_apply(x_MK) -> bool:
-    """Whether x_MK @ panels runs as the kernel: float32, at most MAX_PANEL_ROWS rows."""
+def decode_panels(params, cfg: ModelConfig):
+    """{"panels": ...}: the projection, SwiGLU and LM head weights of `params` (stacked, as
+    trained) laid out as panels, once per sampling call, for `Decoder.apply`'s variables; the
+    modules take them through `module_panels`. {} where the kernels do not apply: another
+    backend, no kernels, a dtype other than float32."""
+    if not (jax.default_backend() == "cpu" and cfg.dtype == cfg.param_dtype == "float32" and available()):
+        return {}
+    stacked, L, D = params["layers"], cfg.n_layers, cfg.d_model
+    qkv_LDN = [stacked["attn"][n]["kernel"].reshape(L, D, -1) for n in ("q", "k", "v")]
+    o_LND = stacked["attn"]["o"]["kernel"].reshape(L, -1, D)
+    mlp = stacked.get("mlp")
+
+    def fits(*ws, width=PANEL):  # the sources' columns fill whole panels
+        return sum(w.shape[-1] for w in ws) % width == 0
+
+    layers = []
+    for i in range(L):
+        layer = {}
+        if fits(*qkv_LDN) and fits(o_LND):
+            layer["attn"] = {"qkv": panels(qkv_LDN, i), "o": panels([o_LND], i)}
+        if mlp is not None and fits(mlp["gate"]["kernel"], width=PANEL // 2) and fits(mlp["down"]["kernel"]):
+            layer["mlp"] = {"gate_up": panels([mlp["gate"]["kernel"], mlp["up"]["kernel"]], i, interleave=True),
+                             "down": panels([mlp["down"]["kernel"]], i)}
+        layers.append(layer)
+    out = {"layers": tuple(layers)}
+    head_DV = params["embed"].T if cfg.tie_embeddings else params["lm_head"]
+    if fits(head_DV):
+        out["lm_head"] = panels([head_DV[None]], 0)
+    return {"panels": out}
+
+
+def module_panels(module, name: str, x_MK):
+    """The `name` panels a module was given (decode_panels) if x_MK @ them runs as the kernel
+    (float32, at most MAX_PANEL_ROWS rows); None otherwise, and the module runs XLA's matmul."""
+    if module.has_variable("panels", name) and _rows_fit(x_MK):
+        return module.get_variable("panels", name)
+    return None
+
+
+def _rows_fit(x_MK) -> bool:
     return x_MK.ndim == 2 and x_MK.shape[0] <= MAX_PANEL_ROWS and x_MK.dtype == jnp.float32
 
 

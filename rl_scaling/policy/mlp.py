@@ -37,10 +37,10 @@ class SwiGLU(nn.Module):
         # matmuls; with (batch, length) as two contracted axes XLA:CPU transposes the [N, F]
         # activation gradients inside their elementwise fusions, which dominated the step.
         x_ND = x_BTD.reshape(-1, x_BTD.shape[-1])
-        if self.has_variable("panels", "gate_up") and cpu_kernels.panels_apply(x_ND):  # sampling on XLA:CPU (model.decode_panels)
+        gate_up_panels = cpu_kernels.module_panels(self, "gate_up", x_ND)  # sampling on XLA:CPU
+        if gate_up_panels is not None:
             w = {name: self.variables["params"][name]["kernel"] for name in ("gate", "up", "down")}
-            h_NF = cpu_kernels.swiglu(x_ND, self.get_variable("panels", "gate_up"),
-                                      lambda x: nn.silu(x @ w["gate"]) * (x @ w["up"]))
+            h_NF = cpu_kernels.swiglu(x_ND, gate_up_panels, lambda x: nn.silu(x @ w["gate"]) * (x @ w["up"]))
             out_ND = cpu_kernels.matmul(h_NF, self.get_variable("panels", "down"), lambda h: h @ w["down"])
             return out_ND.reshape(x_BTD.shape[:-1] + (cfg.d_model,))
         gate_NF = dense("gate", self.hidden, ("embed", "mlp"))(x_ND)

@@ -145,11 +145,11 @@ class Attention(nn.Module):
 
         B, T, D = x_BTD.shape
         x_MD = x_BTD.reshape(B * T, D)
-        if self.has_variable("panels", "qkv") and cpu_kernels.panels_apply(x_MD):  # sampling on XLA:CPU (decode_panels)
+        qkv_panels = cpu_kernels.module_panels(self, "qkv", x_MD)  # sampling on XLA:CPU
+        if qkv_panels is not None:
             w = self.variables["params"]
             kernels_DN = [w[name]["kernel"].reshape(D, -1) for name in ("q", "k", "v")]
-            qkv_MN = cpu_kernels.matmul(x_MD, self.get_variable("panels", "qkv"),
-                                        lambda x: jnp.concatenate([x @ k for k in kernels_DN], -1))
+            qkv_MN = cpu_kernels.matmul(x_MD, qkv_panels, lambda x: jnp.concatenate([x @ k for k in kernels_DN], -1))
             n_q, n_k = kernels_DN[0].shape[1], kernels_DN[1].shape[1]
             q_MN, k_MN, v_MN = jnp.split(qkv_MN, [n_q, n_q + n_k], -1)
             q_BTNH, k_BTKH, v_BTKH = (y.reshape(B, T, -1, H) for y in (q_MN, k_MN, v_MN))
@@ -199,9 +199,10 @@ class Attention(nn.Module):
             out_BTKGH = _attend(q_BTKGH, k_BKSH, v_BKSH, select(masks), dtype, self.query_offset)
         out_BTNH = out_BTKGH.reshape(B, T, cfg.n_heads, H)
         out_MN = out_BTNH.reshape(B * T, cfg.n_heads * H)
-        if self.has_variable("panels", "o") and cpu_kernels.panels_apply(out_MN):
+        o_panels = cpu_kernels.module_panels(self, "o", out_MN)
+        if o_panels is not None:
             kernel_ND = self.variables["params"]["o"]["kernel"].reshape(cfg.n_heads * H, cfg.d_model)
-            out_MD = cpu_kernels.matmul(out_MN, self.get_variable("panels", "o"), lambda x: x @ kernel_ND)
+            out_MD = cpu_kernels.matmul(out_MN, o_panels, lambda x: x @ kernel_ND)
             return out_MD.reshape(B, T, cfg.d_model), new_cache_kv
         out_BTD = nn.DenseGeneral(
             cfg.d_model, axis=(-2, -1), dtype=dtype, param_dtype=pdtype, use_bias=False, name="o",
@@ -239,7 +240,7 @@ def _attend(q_BTKGH, k_BKSH, v_BKSH, mask_BTS, dtype, query_offset=None):
         return _in_causal_blocks(_attend_block, q_BTKGH, k_BKSH, v_BKSH, mask_BTS, dtype, 0)
     if query_offset is not None and T > 1:
         return _in_causal_blocks(_attend_cached, q_BTKGH, k_BKSH, v_BKSH, mask_BTS, dtype, query_offset)
-    if cpu_kernels.applies(q_BTKGH, k_BKSH, v_BKSH, dtype):  # a decode step on XLA:CPU: one custom call
+    if cpu_kernels.attention_applies(q_BTKGH, k_BKSH, v_BKSH, dtype):  # a decode step on XLA:CPU: one custom call
         reference = functools.partial(_attend_cached, dtype=dtype)
         return jax.lax.platform_dependent(q_BTKGH, k_BKSH, v_BKSH, mask_BTS, default=reference,
                                           cpu=lambda *args: cpu_kernels.decode_attention(*args, reference))
@@ -405,7 +406,7 @@ class Decoder(nn.Module):
             per_layer = self.variables["params"]["layers"]
             if not isinstance(per_layer, (list, tuple)):
                 per_layer = split_layers({"layers": per_layer})["layers"]
-            panels = self.variables.get("panels", {}).get("layers")  # decode_panels
+            panels = self.variables.get("panels", {}).get("layers")  # cpu_kernels.decode_panels
             new_k, new_v = [], []
             for i, layer_params in enumerate(per_layer):
                 kv = None if cache is None else (cache["k"][i], cache["v"][i])
@@ -431,9 +432,9 @@ class Decoder(nn.Module):
         if return_hidden:
             return x_BTD, kernel_DV
         x_MD = x_BTD.reshape(B * T, cfg.d_model)
-        if self.has_variable("panels", "lm_head") and cpu_kernels.panels_apply(x_MD):  # sampling on XLA:CPU (decode_panels)
-            logits_MV = cpu_kernels.matmul(x_MD, self.get_variable("panels", "lm_head"),
-                                           lambda x: lm_head(x, kernel_DV, cfg))
+        head_panels = cpu_kernels.module_panels(self, "lm_head", x_MD)  # sampling on XLA:CPU
+        if head_panels is not None:
+            logits_MV = cpu_kernels.matmul(x_MD, head_panels, lambda x: lm_head(x, kernel_DV, cfg))
             logits_BTV = logits_MV.reshape(B, T, cfg.vocab_size)
         else:
             logits_BTV = lm_head(x_BTD, kernel_DV, cfg)
@@ -487,37 +488,6 @@ def split_layers(params):
     stacked = params["layers"]
     n = jax.tree.leaves(stacked)[0].shape[0]
     return {**params, "layers": tuple(jax.tree.map(lambda p: p[i], stacked) for i in range(n))}
-
-
-def decode_panels(params, cfg: ModelConfig):
-    """{"panels": ...}: the projection, SwiGLU and LM head weights laid out as the CPU matmul
-    kernel's panels (cpu_kernels.panels), once per sampling call, for `Decoder.apply`'s
-    variables (params stacked, as trained); the modules use them in decode steps. {} where the
-    kernels do not apply: another backend, no kernels, a dtype other than float32."""
-    if not (jax.default_backend() == "cpu" and cfg.dtype == cfg.param_dtype == "float32" and cpu_kernels.available()):
-        return {}
-    stacked, L, D = params["layers"], cfg.n_layers, cfg.d_model
-    qkv_LDN = [stacked["attn"][n]["kernel"].reshape(L, D, -1) for n in ("q", "k", "v")]
-    o_LND = stacked["attn"]["o"]["kernel"].reshape(L, -1, D)
-    mlp = stacked.get("mlp")
-
-    def fits(*ws, width=cpu_kernels.PANEL):  # the sources' columns fill whole panels
-        return sum(w.shape[-1] for w in ws) % width == 0
-
-    layers = []
-    for i in range(L):
-        panels = {}
-        if fits(*qkv_LDN) and fits(o_LND):
-            panels["attn"] = {"qkv": cpu_kernels.panels(qkv_LDN, i), "o": cpu_kernels.panels([o_LND], i)}
-        if mlp is not None and fits(mlp["gate"]["kernel"], width=cpu_kernels.PANEL // 2) and fits(mlp["down"]["kernel"]):
-            panels["mlp"] = {"gate_up": cpu_kernels.panels([mlp["gate"]["kernel"], mlp["up"]["kernel"]], i, interleave=True),
-                             "down": cpu_kernels.panels([mlp["down"]["kernel"]], i)}
-        layers.append(panels)
-    out = {"layers": tuple(layers)}
-    head_DV = params["embed"].T if cfg.tie_embeddings else params["lm_head"]
-    if fits(head_DV):
-        out["lm_head"] = cpu_kernels.panels([head_DV[None]], 0)
-    return {"panels": out}
 
 
 def positions_from_mask(token_mask_BT):

@@ -24,7 +24,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from rl_scaling.policy import model as model_lib
+from rl_scaling.policy import cpu_kernels, model as model_lib
 
 
 def _unrolled_threefry_on_cpu():
@@ -83,7 +83,7 @@ def sample(params, prompt_BP, prompt_mask_BP, rng, *, cfg: model_lib.ModelConfig
     b // G), so prefill costs 1/G. Tokens and log-probs are those of G copies of each prompt."""
     decoder = model_lib.Decoder(cfg)
     variables = {"params": model_lib.split_layers(params),  # once per call, as the CPU kernels' panels
-                 **model_lib.decode_panels(params, cfg)}
+                 **cpu_kernels.decode_panels(params, cfg)}
     apply = functools.partial(decoder.apply, variables)
     n_prompts, P = prompt_BP.shape
     B = n_prompts * group_size
