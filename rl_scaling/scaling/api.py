@@ -32,7 +32,16 @@ class Options:
     a_bounds: tuple = (0.0, 1.0)
     unit: str = "flops"  # axis name; 'gpu_hours' makes the grid fit use the paper's absolute C_mid grid
     grid: dict = dataclasses.field(default_factory=dict)  # a_grid, cmid_grid, inner for fit_grid
-    seed: int = 0
+    seed: object = 0  # int or np.random.SeedSequence: this fit's own random stream (see streams)
+
+
+def streams(seed, n):
+    """n independent child streams of a fit's seed (an int or a SeedSequence): every bootstrap draws
+    from its own, so replicate i of two fits never shares draws (sharing them correlates the replicate
+    A's of two recipes and makes P(A_a > A_b) overconfident)."""
+    root = seed if isinstance(seed, np.random.SeedSequence) else np.random.SeedSequence(seed)
+    # children by spawn key, not root.spawn(): the same seed gives the same streams on every call
+    return [np.random.SeedSequence(root.entropy, spawn_key=root.spawn_key + (i,)) for i in range(n)]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -153,7 +162,8 @@ def fit_runs(runs, name=None, opts: Options | None = None, **kw):
         extras["notes"].append("intervals: bootstrap replicates drawn around the grid fit, refitted by the "
                                "batched solver")
     bm = opts.boot_method or ("seeds" if len(runs) >= 2 else "residual")
-    boot = unc.bootstrap(main, c, y, opts.n_boot, bm, groups=g, rng=opts.seed, r0_evals=r0_n, r0_se=r0_se)
+    main_rng, early_rng = streams(opts.seed, 2)
+    boot = unc.bootstrap(main, c, y, opts.n_boot, bm, groups=g, rng=main_rng, r0_evals=r0_n, r0_se=r0_se)
     ok, reasons, warns = unc.identifiability(main, boot, float(c.max()), opts.level)
     if grid_info is not None and grid_info["at_grid_edge"]:
         reasons.append(f"the grid fit sits at the edge of its grid (A = {main.A:.3f} in "
@@ -161,7 +171,7 @@ def fit_runs(runs, name=None, opts: Options | None = None, **kw):
                        f"[{grid_info['cmid_grid'][0]:.4g}, {grid_info['cmid_grid'][1]:.4g}])")
         ok = False
     if opts.holdout:
-        extras["extrapolation"] = _early_late(c_all, y_all, g_all, c, opts, r0, (r0_n, r0_se), fit_one)
+        extras["extrapolation"] = _early_late(c_all, y_all, g_all, c, opts, r0, (r0_n, r0_se), fit_one, early_rng)
     try:
         extras["sigmoid_vs_power_law"] = compare.sigmoid_vs_power(c, y, fit_one, opts.holdout or 0.5,
                                                                   opts.a_bounds)
@@ -223,7 +233,7 @@ def _diagnose(runs, c, y, g, main, fit_free_r0, extras, level):
     return out
 
 
-def _early_late(c_all, y_all, g_all, c_win, opts, r0, r0_noise, fit_one):
+def _early_late(c_all, y_all, g_all, c_win, opts, r0, r0_noise, fit_one, rng):
     """Fit the window's points up to `holdout` (with the main fit's method), predict every later point;
     errors and the last point's prediction interval."""
     cut = opts.holdout * c_win.max() if opts.holdout <= 1.0 else opts.holdout
@@ -243,7 +253,7 @@ def _early_late(c_all, y_all, g_all, c_win, opts, r0, r0_noise, fit_one):
         return out
     ge = g_all[early]
     bm = opts.boot_method or ("seeds" if np.unique(ge).size >= 2 else "residual")
-    be = unc.bootstrap(fe, ce, ye, opts.n_boot, bm, groups=ge, rng=opts.seed + 1,
+    be = unc.bootstrap(fe, ce, ye, opts.n_boot, bm, groups=ge, rng=rng,
                        r0_evals=r0_noise[0], r0_se=r0_noise[1])
     cl, yl = c_all[late], y_all[late]
     order = np.argsort(cl, kind="stable")
