@@ -7,7 +7,9 @@ Variants:  --config=configs/tiny.py:recipe=dapo   (any name in configs/common.py
            32 x 8); steps = samples / (prompts_per_step x samples_per_prompt), so recipes with
            bigger batches (PPO-off-policy-8: 8x) get fewer steps for the same compute. evals:
            held-out evaluations over the run (eval_every = steps / evals). prompts: prompts per
-           update (default 32; the batch-size axis), samples a step = prompts x 8.
+           update (default 32; the batch-size axis), samples a step = prompts x 8. size: the
+           policy's width and depth, s (default, 0.1M parameters), m (0.44M) or l (1.5M): the
+           model-size axis (SIZES below).
            Recipes: python launch/sweep.py --config=configs/tiny.py --recipes=scalerl,grpo --seeds=2
 Hardware:  2 CPU cores, a few minutes end to end (warm start included).
 Expected:  a ~0.2M-parameter policy; held-out pass rate (mean@4, temperature 1) rises
@@ -17,10 +19,29 @@ Expected:  a ~0.2M-parameter policy; held-out pass rate (mean@4, temperature 1) 
 
 from configs import common
 
+# The model-size axis (`:size=NAME`): widths and depths of the policy, each ~4x the parameters of the
+# one before (counted with the LM head and embeddings). Head dim 16 and 2 KV heads throughout.
+SIZES = {
+    "s": dict(d_model=64, n_layers=2, n_heads=4, mlp_dim=192),  # 106,816 parameters: the default
+    "m": dict(d_model=96, n_layers=4, n_heads=6, mlp_dim=288),  # 443,232
+    "l": dict(d_model=128, n_layers=8, n_heads=8, mlp_dim=384),  # 1,525,888
+}
+
+
+def param_count(size, vocab_size=64, head_dim=16, n_kv_heads=2):
+    """Parameters of a tiny policy of this size (embeddings, LM head, RMSNorm scales included)."""
+    d, L, H, F = (SIZES[size][k] for k in ("d_model", "n_layers", "n_heads", "mlp_dim"))
+    per_layer = d * head_dim * (2 * H + 2 * n_kv_heads) + 3 * d * F + 2 * d
+    return 2 * vocab_size * d + L * per_layer + d
+
 
 def get_config(arg=None):
     args = common.parse_arg(arg)
     config = common.base_config()
+    size = args.pop("size", "s")
+    if size not in SIZES:
+        raise ValueError(f"config arg size={size!r}: choose one of {sorted(SIZES)}")
+    config.model.update(SIZES[size])
     prompts = int(args.pop("prompts", config.rollout.prompts_per_step))
     if prompts <= 0:
         raise ValueError(f"config arg prompts={prompts} must be positive")
@@ -38,5 +59,5 @@ def get_config(arg=None):
     if "seed" in args:
         config.seed = int(args.pop("seed"))
     if args:
-        raise ValueError(f"unknown config arg(s) {sorted(args)}; valid: recipe, seed, samples, evals, prompts")
+        raise ValueError(f"unknown config arg(s) {sorted(args)}; valid: recipe, seed, samples, evals, prompts, size")
     return config

@@ -1,6 +1,6 @@
 """Fit the sigmoid compute law to eval curves; write fit.json and figures.
 
-    python launch/fit.py WORKDIR_OR_FILE... --out=DIR [--axis=flops|accel_hours|steps]
+    python launch/fit.py WORKDIR_OR_FILE... [--out=DIR] [--axis=flops|accel_hours|steps]
         [--method=direct|grid] [--c-min=C] [--c-max=C] [--r0=measured|fit|VALUE] [--n-boot=1000]
         [--holdout=0.5] [--budgets=C1,C2,...] [--predict-at=C1,...]
 
@@ -8,12 +8,14 @@ Inputs: trainer workdirs (metrics.jsonl, searched recursively; seeds of one reci
 TensorBoard event directories, or CSV files with columns compute,pass_rate[,run,seed].
 Writes DIR/fit.json (per recipe: A, B, C_mid, R0 with 95% intervals, window, identifiability,
 fit-early-predict-late error, sigmoid vs power law; a recipe comparison when there are several) and
-DIR/fit_<recipe>.png, DIR/asymptotes.png, DIR/heatmap.png.
+DIR/fit_<recipe>.png, DIR/asymptotes.png, DIR/heatmap.png. DIR defaults to the first input's `fit/`
+(`RUN/fit` for a workdir RUN, local or gs://; a file's folder + `/fit` for a file).
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import re
@@ -43,7 +45,8 @@ def _grid(text, kind):
 def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("inputs", nargs="+", help="workdirs, metrics.jsonl, event dirs or CSV files (globs allowed)")
-    ap.add_argument("--out", required=True, help="output directory")
+    ap.add_argument("--out", default=None, help="output directory (default: FIRST_INPUT/fit; for a file input, "
+                                                  "its folder's fit/)")
     ap.add_argument("--axis", choices=io.AXES, default="flops", help="compute axis of metrics/event inputs")
     ap.add_argument("--method", choices=("direct", "grid"), default="direct",
                     help="direct: fast bounded least squares; grid: the paper's grid search + curve_fit")
@@ -63,16 +66,19 @@ def parse_args(argv=None):
     ap.add_argument("--margin", default="auto",
                     help="margin on A for comparisons: a number, or 'auto' = the larger of the paper's 0.02 and the "
                          "margin the seed-to-seed spread supports")
-    ap.add_argument("--noise", default="", help="eval-to-eval noise measured by launch/eval_noise.py (noise.json), "
-                                                "reported next to the seed-to-seed spread")
+    ap.add_argument("--noise", default="", help="eval-to-eval noise measured by launch/eval_noise.py (noise.json): "
+                                                "the lack-of-fit and late-dip checks use it instead of the binomial bound")
     ap.add_argument("--a-grid", default="", help="grid method: A grid lo:hi:step (default 0.45:0.8:0.005)")
     ap.add_argument("--cmid-grid", default="", help="grid method: C_mid grid lo:hi:n (default the paper's, rescaled)")
     ap.add_argument("--grid-unit", default=None,
                     help="'gpu_hours': use the paper's absolute C_mid grid [100, 40000]; otherwise it is "
                          "rescaled by (largest compute / 16000)")
     ap.add_argument("--log-x", action="store_true", help="log compute axis in the per-run figures")
-    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--seed", type=int, default=0, help="root seed of the bootstrap: each recipe draws from its own "
+                                                          "stream spawned from it (recorded in fit.json)")
     args = ap.parse_args(argv)
+    if args.out is None:
+        args.out = default_out(args.inputs[0])
     if args.margin != "auto":
         try:
             if float(args.margin) < 0:
@@ -80,6 +86,19 @@ def parse_args(argv=None):
         except ValueError:
             ap.error(f"--margin={args.margin!r}: give 'auto' or a number >= 0")
     return args
+
+
+def default_out(first_input: str) -> str:
+    """FIRST_INPUT/fit for a workdir or folder (local or gs://), the folder's fit/ for a file, and for a
+    glob the fit/ of the folder before its first wildcard."""
+    wild = min((i for i in (first_input.find(c) for c in "*?[") if i >= 0), default=-1)
+    if wild >= 0:
+        head = first_input[:wild]
+        folder = head if head.endswith("/") else (head.rsplit("/", 1)[0] + "/" if "/" in head else "")
+        return files.join(folder or ".", "fit")
+    if files.isfile(first_input):
+        return files.join(files.dirname(first_input), "fit")
+    return files.join(first_input, "fit")
 
 
 def _slug(name):
@@ -92,14 +111,22 @@ def run(args):
     r0 = args.r0 if args.r0 in ("measured", "fit") else float(args.r0)
     grid = {k: v for k, v in (("a_grid", _grid(args.a_grid, "a")), ("cmid_grid", _grid(args.cmid_grid, "c")))
             if v is not None}
+    eval_sd = _eval_sd(args)
     opts = api.Options(c_min=args.c_min, c_max=args.c_max, method=args.method, r0=r0, n_boot=args.n_boot,
                        boot_method=args.boot, holdout=args.holdout or None, unit=args.grid_unit or runs[0].axis,
-                       grid=grid, seed=args.seed)
-    out = {"settings": {k: v for k, v in vars(args).items()}, "recipes": {}}
+                       grid=grid, eval_sd=eval_sd, eval_sd_source=args.noise if eval_sd else "")
+    groups = io.group_runs(runs)
+    # one random stream per recipe, spawned from the root seed: replicate i of two recipes never shares
+    # draws, so P(A_a > A_b) over replicate pairs is what it claims to be
+    streams = api.streams(args.seed, len(groups))
+    out = {"settings": {**vars(args), "root_seed": args.seed,
+                        "streams": {name: {"root_seed": args.seed, "spawn_key": list(ss.spawn_key)}
+                                    for name, ss in zip(groups, streams)}},
+           "recipes": {}}
     results, failed = [], []
-    for recipe, group in io.group_runs(runs).items():
+    for (recipe, group), stream in zip(groups.items(), streams):
         try:
-            res = api.fit_runs(group, name=recipe, opts=opts)
+            res = api.fit_runs(group, name=recipe, opts=dataclasses.replace(opts, seed=stream))
         except ScalingDataError as e:
             print(f"error: {e}", file=sys.stderr)
             out["recipes"][recipe] = {"name": recipe, "status": "error", "message": str(e)}
@@ -137,6 +164,14 @@ def run(args):
     files.write_text(files.join(args.out, "fit.json"), json.dumps(out, indent=1, default=_json_default))
     print(f"wrote {files.join(args.out, 'fit.json')}")
     return out, failed
+
+
+def _eval_sd(args):
+    """The measured eval-to-eval sd from --noise (noise.json), or None."""
+    if not args.noise:
+        return None
+    ev = json.loads(files.read_text(files.resolve(args.noise)))
+    return float(ev["sd_measured_pooled"])
 
 
 def _noise(args, groups):
@@ -186,6 +221,16 @@ def _report(s):
         lp = ex["last_point"]
         print(f"  fit to {ex['fit_until']:.4g}, predict the rest: RMSE {ex['rmse']:.4f}, last point "
               f"{lp['predicted']:.3f} vs {lp['observed']:.3f} (95% PI [{lp['pi'][0]:.3f}, {lp['pi'][1]:.3f}])")
+    sh = s.get("shape", {})
+    if sh.get("status") == "ok":
+        pw = sh["power_law"]
+        print(f"  power law: A={pw['A']:.3f} [{pw['ci_A'][0]:.3f}, {pw['ci_A'][1]:.3f}]"
+              f"{' (at its bound)' if pw['A_at_bound'] else ''}; preferred by AIC: {sh['preferred_by_aic']}, "
+              f"by the held-out half: {sh['preferred_by_heldout']}"
+              + ("; A depends on the assumed shape by more than its interval" if sh["A_depends_on_shape"] else ""))
+    noise_d = s.get("diagnostics", {}).get("noise")
+    if noise_d:
+        print(f"  residuals {noise_d['ratio']:.1f}x the eval noise ({noise_d['source']})")
     for f in s.get("flags", []):
         print(f"  warning [{f['code']}]: {f['message']}")
     for m in s.get("notes", []):
@@ -197,6 +242,9 @@ def main(argv=None):
     try:
         _, failed = run(args)
     except ScalingDataError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except files.StorageError as e:  # names the gs:// path, the operation and the endpoint
         print(f"error: {e}", file=sys.stderr)
         return 2
     return 1 if failed else 0

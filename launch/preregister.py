@@ -83,6 +83,7 @@ def score(args):
              "", "| recipe | shape | x | compute | predicted | 95% PI one seed | observed seeds | covered | "
              "seed mean | 95% PI mean | covered |", "|---|---|---|---|---|---|---|---|---|---|---|"]
     tally = {s: [0, 0, 0, 0] for s in shapes.SHAPES}  # seeds covered, seeds scored, means covered, means scored
+    errors = {s: [] for s in shapes.SHAPES}  # seed mean - prediction
     for name, pred in pre["recipes"].items():
         runs = groups.get(name, [])
         for shape in shapes.SHAPES:
@@ -98,6 +99,8 @@ def score(args):
                 t[1] += len(obs)
                 t[2] += int(mcov)
                 t[3] += int(mean is not None)
+                if mean is not None:
+                    errors[shape].append(mean - at["pass_rate"])
                 obs_s = ", ".join(f"{o:.3f}" for o in obs) or "not reached"
                 lines.append(f"| {name} | {shape} | {m:g} | {at['compute']:.3g} | {at['pass_rate']:.3f} | "
                              f"[{lo:.3f}, {hi:.3f}] | {obs_s} | {cov}/{len(obs)} | "
@@ -106,13 +109,36 @@ def score(args):
     lines += ["", "Coverage of the 95% prediction intervals:", ""]
     for shape, (c1, n1, c2, n2) in tally.items():
         lines.append(f"- {shape}: one-seed intervals {c1}/{n1}, seed-mean intervals {c2}/{n2}")
+    for shape, err in errors.items():
+        if err:
+            lines.append(f"- {shape}: seed mean minus prediction {', '.join(f'{e:+.3f}' for e in err)} "
+                         f"(mean abs {np.mean(np.abs(err)):.3f})")
     text = "\n".join(lines) + "\n"
+    coverage = {s: {"seed_covered": t[0], "seed_scored": t[1], "mean_covered": t[2], "mean_scored": t[3],
+                    "mean_abs_error": float(np.mean(np.abs(errors[s]))) if errors[s] else None,
+                    "errors": errors[s]} for s, t in tally.items()}
+    samples = max((v for g in groups.values() for r in g if (v := _samples(r)) is not None), default=None)
     if args.out:
         with open(args.out, "w") as f:
             f.write(text)
-        print(f"wrote {args.out}")
+        with open(os.path.splitext(args.out)[0] + ".json", "w") as f:
+            json.dump({"prereg": os.path.relpath(args.prereg, ROOT), "runs": os.path.relpath(args.runs, ROOT),
+                       "samples": samples, "coverage": coverage}, f, indent=1)
+        print(f"wrote {args.out} and its .json")
     print(text)
-    return tally
+    return coverage
+
+
+def _samples(run):
+    """Generated samples at a run's last metrics line (from its metrics.jsonl), or None."""
+    if not run.source.endswith("metrics.jsonl"):
+        return None
+    last = None
+    with open(run.source) as f:
+        for line in f:
+            if '"samples"' in line:
+                last = json.loads(line).get("samples", last)
+    return last
 
 
 def main(argv=None):

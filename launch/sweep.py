@@ -369,6 +369,8 @@ def main(argv=None):
                          "its workdir must be local; --dry_run prints the gs:// commands for a cluster")
     os.makedirs(workdir, exist_ok=True)
     record = {"args": vars(args), "started": time.strftime("%Y-%m-%d %H:%M:%S"), "runs": []}
+    if not os.path.exists(output(args, "sweep.json")):  # marks the directory as a sweep from the start (io.py)
+        _write_json(output(args, "sweep.json"), record)
     t_start = time.time()
     if warm and not os.path.isdir(init):
         print("warm start ...", flush=True)

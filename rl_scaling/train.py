@@ -164,9 +164,12 @@ def _train(config, workdir, held, preempt):
         counters["samples"] += len(generated[1])
         host = {"truncation_rate": float(out.truncated_B.mean()), "interruption_rate": float(out.interrupted_B.mean()),
                 "response_len": float(out.lengths_B.mean()), "pass_rate_train": float(correct.mean()), **rollout_metrics}
+        # The step ends when its update has run: without this wait the update's device time fell into
+        # whichever window next blocked on it, so accel_seconds depended on log_every.
+        jax.block_until_ready(state["params"])
+        counters["accel_seconds"] += max(time.time() - t0 - compile_clock.take(), 0.0) * n_devices
         if pending is not None:
             writer.write(pending[0], {**jax.device_get(pending[1]), **pending[2]})
-        counters["accel_seconds"] += max(time.time() - t0 - compile_clock.take(), 0.0) * n_devices
         pending = (step, step_metrics, {**host, **counters})
 
         is_eval = step % config.eval_every == 0 or step == config.steps

@@ -181,3 +181,18 @@ def test_nan_loss_stops_clearly_and_keeps_the_last_checkpoint(tmp_path):
     # Resuming from the newest checkpoint with a sane config works: nothing saved is NaN.
     result = train.train(fast_config(steps=steps[-1] + 1, eval_every=100, checkpoint_every=100), str(tmp_path))
     assert result["step"] == steps[-1] + 1
+
+
+@pytest.mark.slow
+def test_accel_seconds_do_not_depend_on_log_every(tmp_path):
+    """The paper's x-axis is accelerator time: the same 30 steps count the same seconds whether metrics
+    are read every step or every 10 (each step's window must end when its update has run)."""
+    from rl_scaling import train
+
+    seconds = {}
+    for log_every in (1, 10, 1, 10):  # alternating, medians: the machine is shared
+        wd = tmp_path / f"log{log_every}_{len(seconds.get(log_every, []))}"
+        out = train.train(fast_config(steps=30, eval_every=30, checkpoint_every=30, log_every=log_every), str(wd))
+        seconds.setdefault(log_every, []).append(out["accel_seconds"])
+    ratio = np.median(seconds[10]) / np.median(seconds[1])
+    assert 0.6 < ratio < 1.6, seconds

@@ -104,8 +104,9 @@ def test_sweep_runs_fits_and_writes_the_comparison(tmp_path):
     calls = (out / "calls.log").read_text().split()
     assert calls == [str(out / "warmstart")] + [str(out / r / f"seed{s}") for s in (0, 1) for r in ("scalerl", "grpo")]
     text = (out / "comparison.md").read_text()
+    main_table = text.split("read as a power law")[0]
     fitted = {m.group(1): (float(m.group(2)), float(m.group(3)))
-              for m in re.finditer(r"^\| (\w+) \| ([0-9.]+) \[[^|]*\| ([0-9.]+) \[", text, re.M)}
+              for m in re.finditer(r"^\| (\w+) \| ([0-9.]+) \[[^|]*\| ([0-9.]+) \[", main_table, re.M)}
     assert abs(fitted["scalerl"][0] - 0.6) < 0.02 and abs(fitted["grpo"][0] - 0.45) < 0.02  # the synthetic A
     assert all(abs(b - 1.8) < 0.2 for _, b in fitted.values())  # and B
     assert "Ranking" in text and "1. scalerl" in text

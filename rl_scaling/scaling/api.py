@@ -33,6 +33,8 @@ class Options:
     unit: str = "flops"  # axis name; 'gpu_hours' makes the grid fit use the paper's absolute C_mid grid
     grid: dict = dataclasses.field(default_factory=dict)  # a_grid, cmid_grid, inner for fit_grid
     seed: object = 0  # int or np.random.SeedSequence: this fit's own random stream (see streams)
+    eval_sd: float | None = None  # measured eval-to-eval noise (launch/eval_noise.py); None: binomial bound
+    eval_sd_source: str = ""  # where eval_sd came from, for the messages
 
 
 def streams(seed, n):
@@ -60,6 +62,7 @@ class Result:
     warnings: tuple
     extras: dict
     flags: tuple = ()  # (code, message) findings, codes in diagnostics.FLAG_CODES
+    power_A: np.ndarray | None = None  # the power law's A over its bootstrap replicates (None: not fitted)
 
     def refit_fixed(self, fixed):
         return fitlib.fit_fixed(self.c, self.y, fixed, self.fit, self._r0(), self.opts.a_bounds)
@@ -162,8 +165,17 @@ def fit_runs(runs, name=None, opts: Options | None = None, **kw):
         extras["notes"].append("intervals: bootstrap replicates drawn around the grid fit, refitted by the "
                                "batched solver")
     bm = opts.boot_method or ("seeds" if len(runs) >= 2 else "residual")
-    main_rng, early_rng = streams(opts.seed, 2)
-    boot = unc.bootstrap(main, c, y, opts.n_boot, bm, groups=g, rng=main_rng, r0_evals=r0_n, r0_se=r0_se)
+    main_rng, early_rng, power_rng = streams(opts.seed, 3)
+    fit_free_r0 = lambda cc, yy: _fitter(opts, None, name)(cc, yy)[0]  # noqa: E731
+    own = _own_fits(c, y, g, main, fit_free_r0)
+    auto = diagnostics.autocorrelation(y - own, g)
+    block = diagnostics.block_length(c.size // max(np.unique(g).size, 1)) if auto["p_value"] < diagnostics.ALPHA else None
+    extras["autocorrelation"] = {**auto, "block_bootstrap": block is not None, "block": block}
+    if block:
+        extras["notes"].append(f"residuals autocorrelated (lag-1 r = {auto['lag1']:.2f}, p = {auto['p_value']:.2g}): "
+                               f"moving-block bootstrap, blocks of {block} evals")
+    boot = unc.bootstrap(main, c, y, opts.n_boot, bm, groups=g, rng=main_rng, r0_evals=r0_n, r0_se=r0_se,
+                         block=block)
     ok, reasons, warns = unc.identifiability(main, boot, float(c.max()), opts.level)
     if grid_info is not None and grid_info["at_grid_edge"]:
         reasons.append(f"the grid fit sits at the edge of its grid (A = {main.A:.3f} in "
@@ -177,16 +189,48 @@ def fit_runs(runs, name=None, opts: Options | None = None, **kw):
                                                                   opts.a_bounds)
     except ScalingDataError as e:
         extras["sigmoid_vs_power_law"] = {"status": "skipped", "message": str(e)}
-    fit_free_r0 = lambda cc, yy: _fitter(opts, None, name)(cc, yy)[0]  # noqa: E731
-    extras["diagnostics"] = _diagnose(runs, c, y, g, main, fit_free_r0, extras, opts.level)
+    power_A = _power_law_shape(c, y, g, main, boot, opts, power_rng, block, extras)
+    extras["diagnostics"] = _diagnose(runs, c, y, g, main, own, fit_free_r0, extras, opts)
     flags = []
     if not ok:
         ci = unc.param_intervals(boot, opts.level)
         flags.append(("not_identifiable", _not_identifiable(ci, main, opts.level) + ": " + "; ".join(reasons)))
     flags += [("wide_interval", w) for w in warns] + diagnostics.flags(extras["diagnostics"])
+    if ok and any(k == "still_rising" for k, _ in flags):
+        ok = False  # the data outrun the fit's flattening: A is a lower bound
+        reasons.append("the last quarter of the window still rises faster than the fit implies")
     return Result(name=name, runs=runs, opts=opts, c=c, y=y, groups=g, fit=main, boot=boot, center=main,
                   identifiable=ok, reasons=tuple(reasons), warnings=tuple(warns), extras=extras,
-                  flags=tuple(flags))
+                  flags=tuple(flags), power_A=power_A)
+
+
+def _power_law_shape(c, y, g, main, boot, opts, rng, block, extras):
+    """The power law R = A - D / C^B on the same window with its own bootstrap, and the shape verdict:
+    extras['shape'] holds both ceilings with intervals, the AIC and held-out preferences, and whether A
+    moves with the assumed shape by more than the sigmoid's own interval. Returns the power law's A
+    replicates (None when it cannot be fitted)."""
+    try:
+        pooled, theta, _, dof = compare.power_bootstrap(c, y, g, opts.n_boot, rng, opts.a_bounds, block)
+    except ScalingDataError as e:
+        extras["shape"] = {"status": "skipped", "message": str(e)}
+        return None
+    a_lo, a_hi = unc.interval(theta[:, 0], opts.level, dof)
+    s_lo, s_hi = unc.param_intervals(boot, opts.level)["A"]
+    sp = extras.get("sigmoid_vs_power_law", {})
+    gap = pooled["A"] - main.A
+    extras["shape"] = {
+        "status": "ok",
+        "sigmoid": {"A": main.A, "ci_A": [s_lo, s_hi], "aic": compare.aic(main.ssr, main.n, main.n_free)},
+        "power_law": {"A": pooled["A"], "B": pooled["B"], "D": pooled["D"], "ci_A": [float(a_lo), float(a_hi)],
+                      "A_at_bound": pooled["A_at_bound"], "aic": compare.aic(pooled["ssr"], pooled["n"], 3)},
+        "preferred_by_aic": "sigmoid" if compare.aic(main.ssr, main.n, main.n_free) <= compare.aic(pooled["ssr"], pooled["n"], 3)
+        else "power_law",
+        "preferred_by_heldout": {"sigmoid": "sigmoid", "power_law": "power_law"}.get(sp.get("preferred_by_heldout"),
+                                                                                  sp.get("preferred_by_heldout")),
+        "A_gap": float(gap),
+        "A_depends_on_shape": bool(abs(gap) > (s_hi - s_lo) / 2.0),
+    }
+    return theta[:, 0]
 
 
 def _fitter(opts, r0, name):
@@ -198,13 +242,11 @@ def _fitter(opts, r0, name):
     raise ValueError(f"unknown fit method {opts.method!r} (direct or grid)")
 
 
-def _diagnose(runs, c, y, g, main, fit_free_r0, extras, level):
-    """Inputs of diagnostics.flags: runs test and eval-noise test on each seed's residuals around its own
-    fit with R0 free (seeds differ by smooth curves, and a fixed R0 by the noise of one eval: neither is
-    a lack of fit of the law's shape; with a pinned R0 the false alarms were 3-6% at alpha 0.01 on
-    log-spaced binomial curves, < 0.5% with it free), the decline test, the best straight-line baseline
-    and a missed hold-out prediction."""
-    fitted, used = np.empty_like(y), {}
+def _own_fits(c, y, g, main, fit_free_r0):
+    """Each seed's own fit with R0 free, evaluated at its points (seeds differ by smooth curves, and a
+    fixed R0 by the noise of one eval: neither is a lack of fit of the law's shape; with a pinned R0 the
+    false alarms were 3-6% at alpha 0.01 on log-spaced binomial curves, < 0.5% with it free)."""
+    fitted = np.empty_like(y)
     for label in np.unique(g):
         ii = g == label
         try:
@@ -212,20 +254,34 @@ def _diagnose(runs, c, y, g, main, fit_free_r0, extras, level):
         except ScalingDataError:  # too few points or flat: the pooled curve stands in
             f = main
         fitted[ii] = f.predict(c[ii])
-        used[id(f)] = f
+    return fitted
+
+
+def _diagnose(runs, c, y, g, main, fitted, fit_free_r0, extras, opts):
+    """Inputs of diagnostics.flags: runs test and eval-noise test on each seed's residuals around its own
+    fit (`fitted`), the decline and late-dip tests, the still-rising test of the last quarter against the
+    pooled fit, the best straight-line baseline and a missed hold-out prediction."""
     res = y - fitted
-    n_free = sum(f.n_free for f in used.values())
+    n_free = sum(4 for _ in np.unique(g))
     out = {"runs": diagnostics.runs_test(res, g),
-           "decline": diagnostics.decline_test(c, y, g)}
+           "decline": diagnostics.decline_test(c, y, g),
+           "late_dip": diagnostics.late_dip_test(c, y, g, fit_free_r0, opts.eval_sd),
+           "tail": diagnostics.tail_slope(c, y, main.predict(c), g)}
     sizes = [r.eval_samples for r in runs]
-    if all(sizes):
+    if opts.eval_sd:
+        out["noise"] = {**diagnostics.noise_test(res, opts.eval_sd, c.size - n_free),
+                        "source": f"measured eval noise{' (' + opts.eval_sd_source + ')' if opts.eval_sd_source else ''}"}
+    elif all(sizes):
         sd = diagnostics.binomial_sd(fitted, np.asarray(sizes)[g])
-        out["noise"] = {**diagnostics.noise_test(res, sd, c.size - n_free), "eval_samples": sizes}
+        out["noise"] = {**diagnostics.noise_test(res, sd, c.size - n_free), "eval_samples": sizes,
+                        "source": f"binomial bound over {sizes[0]} samples per eval, no measured noise given "
+                                  "(an upper bound on a fixed prompt set: pass --noise)"}
     sp = extras.get("sigmoid_vs_power_law", {})
     base = compare.best_baseline(sp)
     if base:
         out["baseline"] = base
     ex = extras.get("extrapolation", {})
+    level = opts.level
     if ex.get("status") == "ok" and not ex["last_point"]["covered"]:
         lp = ex["last_point"]
         out["holdout"] = {"fit_until": ex["fit_until"], "compute": lp["compute"], "observed": lp["observed"],

@@ -10,6 +10,7 @@ import numpy as np
 from rl_scaling.scaling import diagnostics, law
 from rl_scaling.scaling.fit import MIN_POINTS, lm_solve
 from rl_scaling.scaling.errors import ScalingDataError
+from rl_scaling.scaling.uncertainty import interval, resample_index
 
 # ---------------------------------------------------------------- power law
 
@@ -38,6 +39,42 @@ def fit_power_law(compute, pass_rate, a_bounds=(0.0, 1.0)):
 
 def predict_power_law(c, p):
     return law.power_law(c, p["A"], p["D"], p["B"])
+
+
+def own_power(c, y, a_bounds):
+    """A seed's own power-law fit, or None when it has too few points."""
+    try:
+        return fit_power_law(c, y, a_bounds)
+    except ScalingDataError:
+        return None
+
+
+def power_bootstrap(c, y, groups, n_boot, rng, a_bounds=(0.0, 1.0), block=None):
+    """Pooled power-law fit and its replicates (R, 3) = (A, B, ln D), drawn as the sigmoid's 'seeds'
+    bootstrap draws them: a Gaussian multiplier per seed on the seed's own curve minus the pooled
+    one, plus residuals within seeds (in moving blocks of `block` evals when given); one residual is
+    kept per replicate as new-eval noise. Returns (pooled fit dict, theta, noise draws, residual dof)."""
+    rng = np.random.default_rng(rng)
+    pooled = fit_power_law(c, y, a_bounds)
+    yhat = predict_power_law(c, pooled)
+    labels = np.unique(groups)
+    dev, noise = np.zeros_like(y), np.zeros_like(y)
+    for g in labels:
+        ii = groups == g
+        own = own_power(c[ii], y[ii], a_bounds) if labels.size > 1 else pooled
+        f_g = predict_power_law(c[ii], own) if own else yhat[ii] + (y[ii] - yhat[ii]).mean()
+        dev[ii] = f_g - yhat[ii]
+        noise[ii] = (y[ii] - f_g) * np.sqrt(ii.sum() / max(ii.sum() - 3, 1))
+    e = noise - noise.mean()
+    ystar = yhat + e[resample_index(e.size, n_boot, rng, block)]
+    if labels.size > 1:
+        S = labels.size
+        v = rng.normal(size=(n_boot, S))[:, np.searchsorted(labels, groups)]
+        ystar = ystar + np.sqrt(S / (S - 1.0)) * v * dev
+    theta0 = np.tile([pooled["A"], pooled["B"], np.log(pooled["D"])], (n_boot, 1))
+    lo, hi = np.array([a_bounds[0], 1e-3, -200.0]), np.array([a_bounds[1], 20.0, 200.0])
+    theta, _, _ = lm_solve(law.power_theta, np.log(c), ystar, theta0, np.ones(3, bool), lo, hi, max_iter=100)
+    return pooled, theta, e[rng.integers(0, e.size, n_boot)], max(c.size - 3, 1)
 
 
 # ---------------------------------------------------------------- baselines without a ceiling
@@ -129,7 +166,8 @@ def best_baseline(comparison):
 # ---------------------------------------------------------------- recipes
 
 UNDECIDED = "undecided"
-_WHY = {"not_identifiable": "A is only a lower bound", "not_sigmoidal": "the curve is not sigmoidal"}
+_WHY = {"not_identifiable": "A is only a lower bound", "not_sigmoidal": "the curve is not sigmoidal",
+        "still_rising": "still rising past its fit, A is only a lower bound"}
 
 
 def blocking(result):
@@ -174,7 +212,24 @@ def compare_pair(a, b, margin=0.02):
     else:
         out.update(winner=UNDECIDED, rule=out["rule"] + f", but the intervals do not separate them "
                                                          f"(P = {p_leader:.2f} < {SEPARATED} for {leader})")
+    out.update(_under_power_law(a, b, out["winner"]))
     return out
+
+
+def _under_power_law(a, b, winner):
+    """Does a decided pair keep its winner when both curves are read as power laws? Their power-law A's
+    are compared from independent replicate pairs, as the sigmoid's are."""
+    if a.power_A is None or b.power_A is None:
+        return {"power_law": None, "holds_under_both_shapes": None}
+    pa, pb = a.power_A, b.power_A
+    m = min(pa.size, pb.size)
+    p = float(np.mean(pa[:m] > pb[:m]))
+    at_bound = [r.name for r in (a, b) if r.extras.get("shape", {}).get("power_law", {}).get("A_at_bound")]
+    pw_winner = UNDECIDED if at_bound else a.name if p >= SEPARATED else b.name if p <= 1 - SEPARATED else UNDECIDED
+    holds = None if winner == UNDECIDED else pw_winner == winner
+    return {"power_law": {"A_a": float(np.median(pa)), "A_b": float(np.median(pb)), "p_A_greater": p,
+                          "winner": pw_winner, "at_bound": at_bound},
+            "holds_under_both_shapes": holds}
 
 
 def compare_recipes(results, margin=0.02):

@@ -4,6 +4,8 @@ Compute axes: 'flops' (model FLOPs), 'accel_hours' (accelerator-hours), 'steps' 
 Seeds of one configuration share a recipe name: `config.json` {"recipe": ..., "seed": ...} at the top of
 the workdir; otherwise a workdir named like 'seed3' takes its parent directory's name as the recipe
 (results/<recipe>/seed<k>/metrics.jsonl), and any other workdir is its own recipe.
+A directory searched recursively skips a `warmstart` below it and any directory below it holding its own
+`sweep.json` (a nested study); name those explicitly to fit them.
 Every error names the file, and the line and column where there is one.
 """
 
@@ -190,6 +192,7 @@ def load_csv(path):
     (sorted by compute, with a note); a UTF-8 byte-order mark is accepted."""
     with files.open_file(path, "r", newline="") as f:
         reader = csv.DictReader(f)
+        bom = bool(reader.fieldnames) and reader.fieldnames[0].startswith("\ufeff")
         header = [_column(h) for h in (reader.fieldnames or [])]
         for col in ("compute", "pass_rate"):
             if col not in header:
@@ -214,18 +217,19 @@ def load_csv(path):
                 lst.append(v)
     if not groups:
         raise ScalingDataError(f"{path}: no data rows")
-    return [_csv_run(run, seed, cols, str(path)) for (run, seed), cols in groups.items()]
+    extra = (f"{path}: a UTF-8 byte-order mark opens the file; skipped",) if bom else ()
+    return [_csv_run(run, seed, cols, str(path), extra) for (run, seed), cols in groups.items()]
 
 
 def _column(name):
     return (name or "").lstrip("\ufeff").strip()
 
 
-def _csv_run(run, seed, cols, source):
+def _csv_run(run, seed, cols, source, notes=()):
     """One CSV run with its rows sorted by compute (stable, so a repeated compute is still an error
     naming its line), as refit() sorts its records."""
     order = sorted(range(len(cols[0])), key=lambda i: cols[0][i])
-    notes = []
+    notes = list(notes)
     if order != list(range(len(order))):
         label = run if seed is None else f"{run}/seed{seed}"
         notes.append(f"{source}: the rows of '{label}' were not in compute order; sorted by compute")
@@ -256,6 +260,25 @@ def _in_warmstart(found, root):
     return "warmstart" in rel.strip("/").split("/")[:-1]
 
 
+def _nested_sweeps(found, root):
+    """Directories strictly below the searched root that hold a sweep.json: another sweep's runs (a
+    study nested in a results folder, like notebooks/results/extension), fitted only when named."""
+    dirs = {files.dirname(f) for f in found}
+    out = set()
+    for d in dirs:
+        rel = os.path.relpath(str(d), str(root)) if "://" not in str(root) else str(d)[len(str(root)):].strip("/")
+        parts = [p for p in rel.split("/") if p not in ("", ".")]
+        for k in range(1, len(parts)):
+            sub = files.join(root, *parts[:k])
+            if sub not in out and files.isfile(files.join(sub, "sweep.json")):
+                out.add(sub)
+    return out
+
+
+def _outside(f, nested):
+    return not any(str(f).startswith(str(n).rstrip("/") + "/") for n in nested)
+
+
 def _load_one(path, axis):
     if files.isfile(path):
         if path.endswith(".csv"):
@@ -272,10 +295,14 @@ def _load_one(path, axis):
     if files.glob(files.join(path, "*tfevents*")):
         return load_tensorboard(path, axis)
     found = [f for f in files.glob(files.join(path, "**", "metrics.jsonl")) if not _in_warmstart(f, path)]
+    nested = _nested_sweeps(found, path)
+    found = [f for f in found if _outside(f, nested)]
     if found:
         return [r for f in found for r in load_jsonl(f, axis)]
     events = sorted({files.dirname(f) for f in files.glob(files.join(path, "**", "*tfevents*"))
                      if not _in_warmstart(f, path)})
+    nested = _nested_sweeps([files.join(e, "x") for e in events], path)
+    events = [e for e in events if _outside(files.join(e, "x"), nested)]
     if events:
         return [r for d in events for r in load_tensorboard(d, axis)]
     raise ScalingDataError(f"{path}: no metrics.jsonl, event files or CSV found under it")

@@ -23,45 +23,6 @@ from rl_scaling.scaling.errors import ScalingDataError
 SHAPES = ("sigmoid", "power_law")
 
 
-def _power_predict(c, p):
-    return law.power_law(c, p["A"], p["D"], p["B"])
-
-
-def _own_power(c, y, a_bounds):
-    try:
-        return compare.fit_power_law(c, y, a_bounds)
-    except ScalingDataError:
-        return None
-
-
-def power_bootstrap(c, y, groups, n_boot, rng, a_bounds=(0.0, 1.0)):
-    """Pooled power-law fit and its replicates (R, 3) = (A, B, ln D), drawn as the sigmoid's 'seeds'
-    bootstrap draws them: a Gaussian multiplier per seed on the seed's own curve minus the pooled
-    one, plus residuals within seeds; one residual is kept per replicate as new-eval noise."""
-    rng = np.random.default_rng(rng)
-    pooled = compare.fit_power_law(c, y, a_bounds)
-    yhat = _power_predict(c, pooled)
-    labels = np.unique(groups)
-    dev, noise = np.zeros_like(y), np.zeros_like(y)
-    for g in labels:
-        ii = groups == g
-        own = _own_power(c[ii], y[ii], a_bounds) if labels.size > 1 else pooled
-        f_g = _power_predict(c[ii], own) if own else yhat[ii] + (y[ii] - yhat[ii]).mean()
-        dev[ii] = f_g - yhat[ii]
-        noise[ii] = (y[ii] - f_g) * np.sqrt(ii.sum() / max(ii.sum() - 3, 1))
-    e = noise - noise.mean()
-    ystar = yhat + e[rng.integers(0, e.size, (n_boot, e.size))]
-    if labels.size > 1:
-        S = labels.size
-        v = rng.normal(size=(n_boot, S))[:, np.searchsorted(labels, groups)]
-        ystar = ystar + np.sqrt(S / (S - 1.0)) * v * dev
-    theta0 = np.tile([pooled["A"], pooled["B"], np.log(pooled["D"])], (n_boot, 1))
-    lo, hi = np.array([a_bounds[0], 1e-3, -200.0]), np.array([a_bounds[1], 20.0, 200.0])
-    theta, _, _ = fitlib.lm_solve(law.power_theta, np.log(c), ystar, theta0, np.ones(3, bool), lo, hi,
-                                  max_iter=100)
-    return pooled, theta, e[rng.integers(0, e.size, n_boot)], max(c.size - 3, 1)
-
-
 def _seed_sd_at(own_predictions):
     """sd over seeds of their own fits' predictions (S, K) at K computes; zeros with one seed."""
     own = np.asarray(own_predictions, dtype=float)
@@ -116,11 +77,11 @@ def predict_both(runs, targets, seed_seq, opts: api.Options | None = None):
                       "aic": compare.aic(res.fit.ssr, res.fit.n, res.fit.n_free),
                       "at": _rows(targets, point, one, mean)}
     # power law: its own bootstrap on the same window
-    pooled, theta, new, dof = power_bootstrap(c, y, g, opts.n_boot, pow_ss, opts.a_bounds)
+    pooled, theta, new, dof = compare.power_bootstrap(c, y, g, opts.n_boot, pow_ss, opts.a_bounds)
     reps = law.power_law(targets[None, :], theta[:, :1], np.exp(theta[:, 2:3]), theta[:, 1:2])
-    pw_own = [_power_predict(targets, p) for p in (_own_power(c[g == lab], y[g == lab], opts.a_bounds)
+    pw_own = [compare.predict_power_law(targets, p) for p in (compare.own_power(c[g == lab], y[g == lab], opts.a_bounds)
                                                    for lab in np.unique(g)) if p]
-    point = _power_predict(targets, pooled)
+    point = compare.predict_power_law(targets, pooled)
     one, mean = _intervals(point, reps, new, _seed_sd_at(pw_own) if len(pw_own) > 1 else np.zeros(targets.size),
                            S, dof, level, rng)
     a_ci = unc.interval(theta[:, 0], level, dof)

@@ -94,6 +94,18 @@ def comparison_markdown(fit, runs_info, failed, record, args, files):
         lines.append(f"| {label} | {a} | {_fmt(s['B'], '.2f')}{_interval(ci, 'B', '.2f')} | "
                      f"{_fmt(s['C_mid'], '.3g')}{_interval(ci, 'C_mid', '.3g')} | {_fmt(s.get('R0'))} | "
                      f"{s['window']['n_points']} | {held} | {note} |")
+    lines += ["", "The same window read as a power law R = A - D / C^B (its own bootstrap), next to the sigmoid:", "",
+              "| recipe | sigmoid A | power-law A | AIC prefers | held-out half prefers | A depends on the shape |",
+              "|---|---|---|---|---|---|"]
+    for label in labels:
+        sh = (recipes.get(label) or {}).get("shape", {})
+        if sh.get("status") != "ok":
+            continue
+        sg, pw = sh["sigmoid"], sh["power_law"]
+        lines.append(f"| {label} | {_fmt(sg['A'])} [{_fmt(sg['ci_A'][0])}, {_fmt(sg['ci_A'][1])}] | "
+                     f"{_fmt(pw['A'])} [{_fmt(pw['ci_A'][0])}, {_fmt(pw['ci_A'][1])}]{' (at bound)' if pw['A_at_bound'] else ''} | "
+                     f"{sh['preferred_by_aic']} | {sh['preferred_by_heldout'] or '-'} | "
+                     f"{'yes' if sh['A_depends_on_shape'] else 'no'} ({sh['A_gap']:+.3f}) |")
     lines += ["", "Per run (means over seeds; rates averaged over the training steps):", "",
               "| recipe | seeds | steps | samples | pass rate start -> end | truncation | interruption | "
               "mean abs(rho-1) first mb | kept prompts | NPR removed | wall min/run |",
@@ -134,8 +146,13 @@ def comparison_markdown(fit, runs_info, failed, record, args, files):
         lines += ["", " ".join(filter(None, (rank, note))), ""]
         for p in cmp_["pairs"]:
             warn = f" ({p['warning']})" if p.get("warning") else ""
+            pw = p.get("power_law")
+            shape = ("" if not pw else f"; as power laws: {pw['winner']} (P = {pw['p_A_greater']:.2f})"
+                     + ("" if p.get("holds_under_both_shapes") is None else
+                        ", the conclusion holds under both shapes" if p["holds_under_both_shapes"] else
+                        ", the conclusion does NOT hold under the power law"))
             lines.append(f"- {p['a']} vs {p['b']}: {p['winner']} ({p['rule']}; P(A_{p['a']} > A_{p['b']}) = "
-                         f"{p['p_A_greater']:.2f}){warn}")
+                         f"{p['p_A_greater']:.2f}{shape}){warn}")
     for label, p in record.get("pruned", {}).items():
         lines += ["", f"Pruned {label} (--prune): {p['reason']}; its unfinished runs stopped, its queued seeds not started."]
     if record.get("compute_saved"):

@@ -55,15 +55,25 @@ class Bootstrap:
         return law.sigmoid(c[None, :], *(p[k][:, None] for k in law.PARAMS))
 
 
+def resample_index(n, n_boot, rng, block=None):
+    """(n_boot, n) indices into n residuals: i.i.d. draws, or moving blocks of `block` consecutive ones
+    (residuals that drift together keep their dependence, and the intervals their width)."""
+    if not block or block <= 1 or block >= n:
+        return rng.integers(0, n, (n_boot, n))
+    starts = rng.integers(0, n - block + 1, (n_boot, -(-n // block)))
+    return (starts[..., None] + np.arange(block)).reshape(n_boot, -1)[:, :n]
+
+
 def bootstrap(fit: Fit, compute, pass_rate, n_boot=1000, method="residual", groups=None, rng=None,
-              r0_evals=None, r0_se=None):
+              r0_evals=None, r0_se=None, block=None):
     """Refit n_boot replicates of the window's points around `fit`.
 
     compute/pass_rate: the window points the fit used; groups: seed label per point (for 'seeds').
     r0_evals: when R0 is fixed to the mean of this many measured evals at C = 0, each replicate fixes
     it at R0 + (a noise draw) / sqrt(r0_evals): the initial eval is as noisy as the others, and holding it
     exact would make every interval too narrow. r0_se: the logged standard error of that mean
-    (eval/pass_rate_stderr), used instead of the residuals when given.
+    (eval/pass_rate_stderr), used instead of the residuals when given. block: resample the residuals
+    in moving blocks of this many evals (in compute order within a seed) instead of one by one.
     """
     rng = np.random.default_rng(rng)
     c, y = np.asarray(compute, dtype=float), np.asarray(pass_rate, dtype=float)
@@ -75,7 +85,7 @@ def bootstrap(fit: Fit, compute, pass_rate, n_boot=1000, method="residual", grou
     w = None
     if method == "residual":
         e = (res - res.mean()) * scale
-        ystar = yhat + e[rng.integers(0, n, (n_boot, n))]
+        ystar = yhat + e[resample_index(n, n_boot, rng, block)]
         new = e[rng.integers(0, n, n_boot)]
     elif method == "parametric":
         ystar = yhat + rng.normal(0.0, fit.sigma, (n_boot, n))
@@ -86,7 +96,7 @@ def bootstrap(fit: Fit, compute, pass_rate, n_boot=1000, method="residual", grou
         e = res * scale
         new = e[rng.integers(0, n, n_boot)]
     elif method == "seeds":
-        ystar, new = _seed_replicates(fit, c, y, groups, n_boot, rng)
+        ystar, new = _seed_replicates(fit, c, y, groups, n_boot, rng, block)
     else:
         raise ValueError(f"unknown bootstrap method {method!r}")
     lo, hi = fit.bounds
@@ -104,7 +114,7 @@ def bootstrap(fit: Fit, compute, pass_rate, n_boot=1000, method="residual", grou
     return Bootstrap(theta=theta, noise=new, method=method, dof=max(n - p, 1))
 
 
-def _seed_replicates(fit, c, y, groups, n_boot, rng):
+def _seed_replicates(fit, c, y, groups, n_boot, rng, block=None):
     """Wild cluster bootstrap over seeds plus fresh noise within them.
 
     Each seed g deviates from the pooled curve by a smooth d_g(C) (its own fit minus the pooled one: seeds
@@ -135,7 +145,7 @@ def _seed_replicates(fit, c, y, groups, n_boot, rng):
     idx = np.searchsorted(labels, groups)
     v = rng.normal(size=(n_boot, S))[:, idx]
     e = noise - noise.mean()
-    ystar = yhat + np.sqrt(S / (S - 1.0)) * v * dev + e[rng.integers(0, e.size, (n_boot, e.size))]
+    ystar = yhat + np.sqrt(S / (S - 1.0)) * v * dev + e[resample_index(e.size, n_boot, rng, block)]
     return ystar, e[rng.integers(0, e.size, n_boot)]
 
 
