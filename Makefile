@@ -63,6 +63,32 @@ results: venv
 	JAX_PLATFORMS=cpu $(BIN)/python launch/sweep.py $(LAW) --name=prune --seeds=2 --prune \
 		--recipes=scalerl,scalerl+rl.npr_threshold=0.25,scalerl+optim.weight_decay=1.0
 
+# The law out of sample (notebooks/results/extension.md): ScaleRL, DAPO and MiniMax x 3 seeds rerun
+# from the shipped warm start to 4x the shipped budget (3,072,000 samples), scored against
+# preregistered.json, which was frozen (launch/preregister.py freeze) and committed before these runs
+# started. ~50 min per seed of the three recipes at --jobs=2 (ScaleRL 13 min, DAPO and MiniMax ~19 min
+# each, two at a time): ~1 h 40 min on a quiet 2-core machine; resumable like every sweep.
+EXT = --config=configs/tiny.py:samples=3072000,evals=96 --jobs=2 --workdir=$(RESULTS)/extension \
+	--init_checkpoint=$(RESULTS)/warmstart/warmstart/params
+results-extension: venv
+	JAX_PLATFORMS=cpu $(BIN)/python launch/sweep.py $(EXT) --recipes=scalerl,dapo,minimax --seeds=3
+	$(BIN)/python launch/preregister.py score --prereg=$(RESULTS)/preregistered.json \
+		--runs=$(RESULTS)/extension --out=$(RESULTS)/extension.md
+
+# The model-size axis: ScaleRL at 0.44M (size=m) and 1.5M (size=l) parameters, 2 seeds each at 768k
+# samples, each size with its own warm start (sizes/<size>/warmstart); size s is the recipe sweep's
+# ScaleRL seeds 0 and 1. Then one fit of the three sizes (fit_sizes/) and the README's generated block.
+results-sizes: venv
+	for size in m l; do JAX_PLATFORMS=cpu $(BIN)/python launch/sweep.py \
+		--config=configs/tiny.py:samples=768000,evals=24,size=$$size --jobs=2 \
+		--workdir=$(RESULTS)/sizes/$$size --recipes=scalerl+size=$$size --seeds=2 || exit 1; done
+	$(BIN)/python launch/fit.py $(RESULTS)/scalerl/seed0 $(RESULTS)/scalerl/seed1 $(RESULTS)/sizes/m \
+		$(RESULTS)/sizes/l --out=$(RESULTS)/fit_sizes --noise=$(RESULTS)/noise.json
+
+# README's "The law on the tiny task" numbers, regenerated from the shipped results (no refit).
+report: venv
+	$(BIN)/python launch/report.py --write-readme
+
 bench: $(BIN)/.installed-test
 	JAX_PLATFORMS=cpu $(BIN)/python launch/bench.py
 
@@ -72,4 +98,4 @@ bench-peers: $(BIN)/.installed-test
 	bash ../shared/peers/setup.sh
 	JAX_PLATFORMS=cpu $(BIN)/python launch/bench.py --vs_tunix --rounds=5
 
-.PHONY: venv lint run test test-slow test-aot results bench bench-peers
+.PHONY: venv lint run test test-slow test-aot results results-extension results-sizes report bench bench-peers

@@ -182,13 +182,75 @@ def sizes_section(results):
     return lines
 
 
+ABLATIONS = (  # (comparison name, reference label, caption)
+    ("loo", "scalerl", "Leave-one-out (`comparison_loo.md`, 2 seeds each; ScaleRL's seeds 0 and 1 are the reference)"),
+    ("batch", "scalerl", "Batch size (`comparison_batch.md`, prompts per update at the same budget, 2 seeds each)"),
+    ("fp32", "scalerl+model.dtype=bfloat16", "FP32 heads (`comparison_fp32.md`, bfloat16 body, 2 seeds each; the "
+     "reference has FP32 LM heads in the trainer and the generator)"),
+    ("prune", "scalerl", "Pruning on real runs (`comparison_prune.md`, `--prune`, 2 seeds each)"),
+)
+
+
+def _rho_first_mb(results, label):
+    """Mean over a label's seeds of the logged mean abs(rho - 1) on the first minibatch."""
+    vals = []
+    for k in range(2):
+        path = os.path.join(results, label, f"seed{k}", "metrics.jsonl")
+        if not os.path.exists(path):
+            continue
+        with open(path) as f:
+            v = [json.loads(line).get("rho_abs_dev_first_mb") for line in f]
+        v = [x for x in v if x is not None]
+        if v:
+            vals.append(np.mean(v))
+    return float(np.mean(vals)) if vals else None
+
+
+def ablation_section(results, name, ref, caption):
+    fit = _load(results, f"fit_{name}/fit.json")
+    if fit is None:
+        return []
+    pairs = {frozenset((p["a"], p["b"])): p for p in fit.get("comparison", {}).get("pairs", [])}
+    rho = name == "fp32"
+    lines = [caption + ":", "", "| spec | A | B | power-law A | flags | P(A_ref > A) | pair |"
+             + (" mean abs(rho-1), first minibatch |" if rho else ""),
+             "|---|---|---|---|---|---|---|" + ("---|" if rho else "")]
+    for label, s in fit["recipes"].items():
+        if s.get("status", "ok") != "ok":
+            continue
+        p = pairs.get(frozenset((ref, label)))
+        prob = "-" if p is None else f"{p['p_A_greater'] if p['a'] == ref else 1 - p['p_A_greater']:.2f}"
+        pw = s.get("shape", {}).get("power_law", {})
+        row = (f"| `{label}` | {_a(s)} | {s['B']:.2f} | {pw.get('A', float('nan')):.3f} | {_flags(s)} | {prob} | "
+               f"{'-' if p is None else p['winner']} |")
+        if rho:
+            r = _rho_first_mb(results, label)
+            row += f" {'-' if r is None else f'{r:.1e}'} |"
+        lines.append(row)
+    note = fit.get("comparison", {}).get("ranking_note")
+    if note:
+        lines += ["", f"{note[0].upper()}{note[1:]}."]
+    if name == "prune":
+        sw = _load(results, "sweep_prune.json") or {}
+        for label, why in sw.get("pruned", {}).items():
+            lines.append(f"Pruned `{label}`: {why['reason']}.")
+        cs = sw.get("compute_saved")
+        if cs:
+            lines.append(f"Pruning left {cs['saved_frac']:.0%} of the planned compute unspent "
+                         f"({cs['saved_flops']:.3g} of {cs['planned_flops']:.3g} FLOPs).")
+    return lines + [""]
+
+
 def report(results):
     fit = _load(results, "fit/fit.json")
     lines = [BEGIN, ""]
     lines += recipe_section(results, fit)
     lines += gain_section(results, fit)
     lines += noise_section(fit)
-    lines += ["", *extension_section(results), "", *sizes_section(results), "", END]
+    lines += ["", *extension_section(results), "", *sizes_section(results), ""]
+    for name, ref, caption in ABLATIONS:
+        lines += ablation_section(results, name, ref, caption)
+    lines += [END]
     return "\n".join(lines) + "\n"
 
 
