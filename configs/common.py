@@ -19,7 +19,7 @@ def _recipe(loss, clip, aggregation, adv_norm, zero_var, npr, length_control, fp
     return out
 
 
-# PAPER.md section 3, "Comparison recipes as the paper ran them"; (?) = our reading where the
+# docs/paper.md section 3, "Comparison recipes as the paper ran them"; (?) = our reading where the
 # paper is silent. Select one with `--config=configs/tiny.py:recipe=NAME`; every switch stays
 # overridable for the leave-one-out ablations (`--config.rl.no_positive_resampling=False`, ...;
 # give an ablation its own label with `--config.recipe=LABEL`: the fitter groups seeds by it).
@@ -73,6 +73,9 @@ def base_config() -> ml_collections.ConfigDict:
         vocab_size=64, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=16, mlp_dim=192,
         rope_theta=10000.0, norm_eps=1e-5, dtype="float32", param_dtype="float32", tie_embeddings=False,
         remat=False, scan_layers=False, num_experts=0, num_experts_per_tok=1, moe_mlp_dim=0, shared_expert=True,
+        # MoE shapes the mesh does not divide make every device gather all routed experts' weights per
+        # layer (Scout: ~4 GB): "error" stops naming the shapes and fields to change, "warn" logs the cost.
+        moe_indivisible="warn",
     ))
 
     c.rollout = ml_collections.ConfigDict(dict(
@@ -136,6 +139,10 @@ def base_config() -> ml_collections.ConfigDict:
         npr_threshold=0.9,
         overlong_max_len=0,  # DAPO L_max (0: rollout.max_new_tokens), with length_control="overlong"
         overlong_cache=2,  # DAPO L_cache: the penalty ramps over the last L_cache tokens
+        # MoE routing replay (rl/train_step.py): "off"; "r2" replays the trainer's own pre-update routing
+        # in the k updates of PPO-off-policy-k; "r3" replays the generator's recorded experts in every
+        # trainer forward and backward (sync sampler only). Ignored by dense models.
+        routing_replay="off",
     ))
 
     c.optim = ml_collections.ConfigDict(dict(
@@ -149,6 +156,10 @@ def base_config() -> ml_collections.ConfigDict:
     c.eval = ml_collections.ConfigDict(dict(num_prompts=256, samples_per_prompt=4, batch_size=1024))
 
     c.mesh = ml_collections.ConfigDict(dict(data=1, fsdp=-1, tensor=1, expert=1))
+
+    # gs:// I/O (rl_scaling/paths.py): every call ends within timeout_s (a StorageError naming the
+    # path, the operation and the endpoint); a request silent for timeout_s / (1 + retries) is retried.
+    c.storage = ml_collections.ConfigDict(dict(timeout_s=120.0, retries=2))
 
     # TPU slices for `launch/run.py --dry_run` (rl_scaling/dry_run.py): the trainer's slice (its
     # mesh is c.mesh), the generators' slice and its mesh (data = independent engine replicas,

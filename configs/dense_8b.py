@@ -1,4 +1,4 @@
-"""ScaleRL on Llama-3.1-8B (PAPER.md section 4): the paper's 8B dense run on TPU v5p.
+"""ScaleRL on Llama-3.1-8B (docs/paper.md section 4): the paper's 8B dense run on TPU v5p.
 
 Command:   python launch/run.py --config=configs/dense_8b.py --workdir=gs://BUCKET/runs/dense_8b \
                --config.init_checkpoint=PARAMS --config.task.path=polaris.jsonl \

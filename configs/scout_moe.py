@@ -1,4 +1,4 @@
-"""ScaleRL on Llama-4-Scout-17B-16E (PAPER.md section 4): the paper's MoE run on TPU v5p.
+"""ScaleRL on Llama-4-Scout-17B-16E (docs/paper.md section 4): the paper's MoE run on TPU v5p.
 
 Command:   python launch/run.py --config=configs/scout_moe.py --workdir=gs://BUCKET/runs/scout \
                --config.init_checkpoint=PARAMS --config.task.path=polaris.jsonl \
@@ -51,7 +51,13 @@ def get_config(arg=None):
         moe_impl="expert_parallel",  # tokens travel to their experts over mesh.expert (policy/moe.py)
         moe_token_chunk=4096,  # 4 exchanges per layer and microbatch: bounds the dropless receive buffers
         router_aux_loss_coef=0.001,  # Switch load balancing, coef * E * sum_e f_e * P_e, mean over layers
+        moe_indivisible="warn",  # "error" once a --dry_run has shown every step's shapes divide (not run yet)
     ))
+    # r2, not r3: r3 replays the generator's recorded experts, which the JetStream engine that
+    # PipelineRL-8 uses does not record yet (only the sync sampler does), and Scout's dry run with
+    # replay has not been run. With num_minibatches=1, r2 replays the routing of the params the step
+    # starts from, which is its own: nothing is replayed until PPO-off-policy-k (num_minibatches > 1).
+    config.rl.routing_replay = "r2"
     config.rl.grad_accum = 12
     config.rollout.engine_slots = 128
     config.rollout.push_dtype = "bfloat16"  # 216 GB a version instead of 431 GB, the LM head float32

@@ -24,7 +24,7 @@ Each figure is the median of --reps timed calls after --warmup untimed ones.
 `tunix_grpo.py --beta 0`, run with /tmp/peers/tunix-venv/bin/python) --rounds times per case and
 prints the medians and the per-pair ratios (ours / tunix).
 
-    python launch/bench.py --presets= --modes=sync,ppo8,pipeline8,remote8 [--steps=64] [--repeats=3]
+    python launch/bench.py --modes=sync,ppo8,pipeline8,remote8 [--steps=64] [--repeats=3] [--prompts=32]
 
 runs the tiny RL loop (launch/run.py's `train`, after one shared warm start) for each
 off-policy scheme, each in a fresh process, and prints samples/s as a ratio to `sync` from
@@ -33,7 +33,9 @@ then one update), ppo8 (PPO-off-policy-8: 8 x 32 prompts generated, 8 minibatch 
 pipeline8 (PipelineRL-8, JetStream engine in the trainer's process on a second XLA CPU
 device), pipeline8_shared (the same on the trainer's only device, where its computations
 queue behind the trainer's), remote8 (PipelineRL-8, engine in a `launch/serve.py` process
-on loopback). The first quarter of the steps (compilation) is not timed.
+on loopback). The first quarter of the steps (compilation) is not timed. With --modes the preset
+cases run only when --presets is given. --prompts sets the prompts per update (ppo8: 8 x that per
+generation), 32 as the tiny config by default; tests use a few.
 """
 
 import argparse
@@ -275,7 +277,7 @@ def vs_tunix(presets, cases, rounds, reps, warmup):
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--presets", default="tiny,small")
+    parser.add_argument("--presets", default=None, help="tiny,small (the default without --modes)")
     parser.add_argument("--cases", default="sampler,rl,train")
     parser.add_argument("--reps", type=int, default=5, help="timed calls per case (median reported)")
     parser.add_argument("--warmup", type=int, default=2, help="untimed calls first (compile)")
@@ -287,16 +289,21 @@ def main():
     parser.add_argument("--workdir", default="/tmp/rl_scaling/bench_modes")
     parser.add_argument("--init_checkpoint", default="", help="params to start from (default: one warm start)")
     parser.add_argument("--repeats", type=int, default=1, help="interleaved rounds of --modes (median reported)")
+    parser.add_argument("--prompts", type=int, default=32, help="prompts per update for --modes (ppo8: 8 x that "
+                        "generated per step)")
     parser.add_argument("--one_mode", default="", help=argparse.SUPPRESS)  # internal: one scheme, in this process
     parser.add_argument("--json", default="", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.one_mode:
-        result = run_one_mode(args.one_mode, args.steps, os.path.join(args.workdir, args.one_mode), args.init_checkpoint)
+        result = run_one_mode(args.one_mode, args.steps, os.path.join(args.workdir, args.one_mode), args.init_checkpoint,
+                              args.prompts)
         with open(args.json, "w") as f:
             json.dump(result, f)
         return
     if args.modes:
-        bench_modes(args.modes.split(","), args.steps, args.workdir, args.init_checkpoint, args.repeats)
+        bench_modes(args.modes.split(","), args.steps, args.workdir, args.init_checkpoint, args.repeats, args.prompts)
+    if args.presets is None:
+        args.presets = "" if args.modes else "tiny,small"
     presets, cases = list(filter(None, args.presets.split(","))), list(filter(None, args.cases.split(",")))
     for name in presets:
         if name not in PRESETS:
@@ -309,22 +316,23 @@ def main():
 
 MODES = {  # scheme -> (config overrides, XLA CPU devices in the trainer's process)
     "sync": ({}, 1),
-    "ppo8": ({"rollout.prompts_per_step": 8 * 32, "rl.num_minibatches": 8}, 1),
+    "ppo8": ({"rl.num_minibatches": 8}, 1),  # and 8 x the prompts per generation (_mode_config)
     "pipeline8": ({"rollout.mode": "pipeline", "rollout.engine_devices": 1}, 2),  # the engine on its own device
     "pipeline8_shared": ({"rollout.mode": "pipeline"}, 1),  # the engine queues behind the trainer on one device
     "remote8": ({"rollout.mode": "pipeline"}, 1),  # + launch/serve.py in its own process
 }
 
 
-def _mode_config(mode, steps, init_checkpoint):
-    config = tiny.get_config()
+def _mode_config(mode, steps, init_checkpoint, prompts=32):
+    config = tiny.get_config(f"prompts={prompts}")
     config.rollout.max_staleness = 8
     config.rollout.length_control = "none"  # the same for every scheme (config.py: no interruption in pipeline mode yet)
     config.steps = steps
     for dotted, value in MODES[mode][0].items():
         section, field = dotted.split(".")
         config[section][field] = value
-    if mode == "ppo8":  # PPO-off-policy-8: 8 x 32 prompts per generation, 8 minibatch updates
+    if mode == "ppo8":  # PPO-off-policy-8: 8 x the prompts per generation, 8 minibatch updates
+        config.rollout.prompts_per_step = 8 * prompts
         config.steps = max(steps // 8, 4)
     config.eval_every = config.checkpoint_every = config.log_every = config.steps
     config.eval.num_prompts, config.eval.batch_size = 16, 64
@@ -351,13 +359,13 @@ def _start_server(config, workdir):
     sys.exit("launch/serve.py did not start within 120 s")
 
 
-def run_one_mode(mode, steps, run_dir, init_checkpoint) -> dict:
+def run_one_mode(mode, steps, run_dir, init_checkpoint, prompts=32) -> dict:
     """One scheme in this process: train, then samples/s and idle fractions from metrics.jsonl."""
     import shutil
 
     from rl_scaling import train
 
-    config = _mode_config(mode, steps, init_checkpoint)
+    config = _mode_config(mode, steps, init_checkpoint, prompts)
     shutil.rmtree(run_dir, ignore_errors=True)
     os.makedirs(run_dir)
     server, extra_devices = None, 0
@@ -386,7 +394,13 @@ def run_one_mode(mode, steps, run_dir, init_checkpoint) -> dict:
     return {"samples_per_s": samples / wall, "trainer_idle": t_idle, "gen_idle": g_idle, "staleness": stale}
 
 
-def bench_modes(modes, steps, workdir, init_checkpoint, repeats):
+def one_mode_command(mode, steps, workdir, init_checkpoint, out, prompts=32) -> list[str]:
+    """The command that runs one scheme in a fresh process (every flag one that main() parses)."""
+    return [sys.executable, os.path.abspath(__file__), "--presets=", f"--one_mode={mode}", f"--steps={steps}",
+            f"--workdir={workdir}", f"--init_checkpoint={init_checkpoint}", f"--prompts={prompts}", f"--json={out}"]
+
+
+def bench_modes(modes, steps, workdir, init_checkpoint, repeats, prompts=32):
     """Each scheme in a fresh process (its own XLA device layout), `repeats` interleaved rounds."""
     for mode in modes:
         if mode not in MODES:
@@ -398,23 +412,25 @@ def bench_modes(modes, steps, workdir, init_checkpoint, repeats):
         if not os.path.isdir(init_checkpoint):
             from rl_scaling import train
 
-            train.train(_mode_config("sync", 1, ""), ws_dir)
+            train.train(_mode_config("sync", 1, "", prompts), ws_dir)
     results = {m: [] for m in modes}
     for r in range(repeats):
         for mode in modes:
             out = os.path.join(workdir, f"{mode}.json")
             env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={MODES[mode][1]}")
-            subprocess.run([sys.executable, os.path.abspath(__file__), "--dims=", f"--one_mode={mode}",
-                            f"--steps={steps}", f"--workdir={workdir}", f"--init_checkpoint={init_checkpoint}",
-                            f"--json={out}"], env=env, check=True,
-                           stdout=subprocess.DEVNULL, stderr=open(os.path.join(workdir, f"{mode}.log"), "w"))
+            log = os.path.join(workdir, f"{mode}.log")
+            with open(log, "w") as err:
+                rc = subprocess.run(one_mode_command(mode, steps, workdir, init_checkpoint, out, prompts), env=env,
+                                    stdout=subprocess.DEVNULL, stderr=err).returncode
+            if rc:
+                sys.exit(f"--modes: scheme {mode} failed (exit status {rc}); see {log}")
             with open(out) as f:
                 results[mode].append(json.load(f))
             print(f"round {r + 1}: {mode}: {results[mode][-1]['samples_per_s']:.1f} samples/s", flush=True)
     med = {m: {k: float(np.median([x[k] for x in v])) for k in v[0]} for m, v in results.items()}
     base = med.get("sync", {}).get("samples_per_s")
     print(f"\nsamples/s on {os.cpu_count()} cores, median of {repeats} interleaved round(s) (tiny config, "
-          f"32 prompts x 8 samples per update; {steps} steps, the first quarter untimed)")
+          f"{prompts} prompts x 8 samples per update; {steps} steps, the first quarter untimed)")
     print(f"{'scheme':<17} {'samples/s':>10} {'vs sync':>8} {'trainer idle':>13} {'generator idle':>15} {'staleness':>10}")
     for mode, m in med.items():
         ratio = f"{m['samples_per_s'] / base:.2f}x" if base else "-"

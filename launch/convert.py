@@ -28,17 +28,30 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import jax  # noqa: E402
 import ml_collections  # noqa: E402
+import tqdm  # noqa: E402
 import orbax.checkpoint as ocp  # noqa: E402
 
 from rl_scaling import checkpoint, config as config_lib, paths, sharding, tasks  # noqa: E402
 from rl_scaling.policy import hf_export, hf_io  # noqa: E402
 
 
+def _bar(desc):
+    """progress(done, total) for hf_io / hf_export, drawn as a tqdm bar (8B and Scout take minutes)."""
+    bar = tqdm.tqdm(desc=desc, unit="tensor", file=sys.stderr)
+
+    def progress(done, total):
+        bar.total = total
+        bar.update(done - bar.n)
+        if done == total:
+            bar.close()
+    return progress
+
+
 def import_hf(hf_dir: str, out: str, param_dtype: str = "float32") -> None:
     if not hf_io.is_hf_checkpoint(hf_dir):
         raise SystemExit(f"{hf_dir}: not a Hugging Face checkpoint directory (config.json + *.safetensors)")
     cfg = hf_io.config_from_hf(hf_dir, param_dtype=param_dtype)
-    params = hf_io.load_hf_checkpoint(hf_dir, cfg, sharding.make_mesh({"fsdp": -1}))
+    params = hf_io.load_hf_checkpoint(hf_dir, cfg, sharding.make_mesh({"fsdp": -1}), progress=_bar(f"reading {hf_dir}"))
     checkpoint.save_params(out, params)
     print(f"wrote {out}: {sum(x.size for x in jax.tree.leaves(params)):,} parameters ({param_dtype})")
 
@@ -88,7 +101,8 @@ def export_hf(workdir: str, out: str, step: int | None = None, dtype: str | None
     # its temperature, at most its max_new_tokens; pass do_sample=False for greedy decoding.
     generation = dict(do_sample=True, temperature=float(config.rollout.temperature), top_k=0, top_p=1.0,
                       max_new_tokens=int(config.rollout.max_new_tokens))
-    hf_export.save_hf_checkpoint(params, cfg, out, dtype=dtype, tokenizer=run_tokenizer(config), generation=generation)
+    hf_export.save_hf_checkpoint(params, cfg, out, dtype=dtype, tokenizer=run_tokenizer(config), generation=generation,
+                                 progress=_bar(f"writing {out}"))
     print(f"wrote {out}: the policy at step {step}")
 
 
@@ -105,10 +119,13 @@ def main(argv=None):
     exp.add_argument("--step", type=int, default=None)
     exp.add_argument("--dtype", default=None, choices=["float32", "bfloat16"])
     args = parser.parse_args(argv)
-    if args.direction == "import":
-        import_hf(args.hf_dir, args.out, args.param_dtype)
-    else:
-        export_hf(args.workdir, args.out, args.step, args.dtype)
+    try:
+        if args.direction == "import":
+            import_hf(args.hf_dir, args.out, args.param_dtype)
+        else:
+            export_hf(args.workdir, args.out, args.step, args.dtype)
+    except paths.StorageError as e:  # names the gs:// path, the operation and the endpoint
+        raise SystemExit(f"launch/convert.py: {e}") from None
 
 
 if __name__ == "__main__":

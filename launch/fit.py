@@ -96,7 +96,9 @@ def default_out(first_input: str) -> str:
         head = first_input[:wild]
         folder = head if head.endswith("/") else (head.rsplit("/", 1)[0] + "/" if "/" in head else "")
         return files.join(folder or ".", "fit")
-    if files.isfile(first_input):
+    is_file = (first_input.endswith((".csv", ".jsonl")) if files.is_gcs(first_input)  # no storage call here
+               else files.isfile(first_input))
+    if is_file:
         return files.join(files.dirname(first_input), "fit")
     return files.join(first_input, "fit")
 

@@ -75,7 +75,7 @@ def score(args):
     with open(args.prereg) as f:
         pre = json.load(f)
     groups = io.group_runs(io.load_inputs([args.runs], "flops"))
-    lines = [f"# Pre-registered predictions against the extension runs",
+    lines = ["# Pre-registered predictions against the extension runs",
              "",
              f"Predictions: `{os.path.relpath(args.prereg, ROOT)}` (created {pre['created']} from the shipped runs at "
              f"commit {str(pre['code_commit'])[:9]}; {pre['how']}). Observed: `{os.path.relpath(args.runs, ROOT)}`, "

@@ -21,6 +21,11 @@ weights, for JetStream's stock clients:
     python -m rl_scaling.rollout.jetstream_compat JetStream/jetstream/tools/requester.py \\
         --server=127.0.0.1 --port=9000 --text="12+3=" --tokenizer=unused
 
+One trainer at a time: the first trainer session to call holds the replica; another is refused
+with FAILED_PRECONDITION naming the holder until the holder closes (a clean exit or preemption)
+or has been silent for --session_lease_s. The port is bound exclusively: a second serve.py on a
+taken --port exits with status 1 naming the address.
+
 Ctrl-C or SIGTERM stops it cleanly; it exits with status 1 if its generator fails.
 """
 
@@ -47,6 +52,8 @@ _TOKEN_FILE = flags.DEFINE_string("token_file", "", "File holding the shared sec
 _WEIGHTS_DIR = flags.DEFINE_string("weights_dir", "", "Poll this directory (local or gs://) for the trainer's weights.")
 _PARAMS = flags.DEFINE_string("params", "", "Start from these weights (Orbax params or a Hugging Face directory) "
                               "as version 0, instead of waiting for a trainer's push.")
+_LEASE = flags.DEFINE_float("session_lease_s", 60.0, "A trainer session silent this long no longer holds the "
+                            "replica (another trainer may then take it).")
 
 
 def main(argv):
@@ -56,19 +63,35 @@ def main(argv):
         logging.getLogger(noisy).setLevel(logging.WARNING)
     import jax
 
+    from rl_scaling import paths
     from rl_scaling.rollout import server as server_lib
 
     try:
         token = server_lib.load_token(_TOKEN_FILE.value)
     except ValueError as e:
         sys.exit(f"launch/serve.py: {e}")
+    if not 0 <= _PORT.value <= 65535:
+        sys.exit(f"launch/serve.py: --port={_PORT.value}: give 0..65535 (0 picks a free port)")
     if not token and not server_lib.is_loopback(_HOST.value):
-        sys.exit(f"launch/serve.py: --host={_HOST.value} is not loopback: set {server_lib.TOKEN_ENV} or --token_file "
-                 "(the shared secret every RPC must carry), or bind 127.0.0.1")
+        sys.exit(f"launch/serve.py: --host={_HOST.value} does not resolve to loopback addresses only: set "
+                 f"{server_lib.TOKEN_ENV} or --token_file (the shared secret every RPC must carry), or bind 127.0.0.1")
+    paths.configure_storage(_CONFIG.value.get("storage"))
+    if _PARAMS.value:  # before the engine is built: a wrong or unreachable path fails in seconds
+        try:
+            found = paths.exists(_PARAMS.value)
+        except (paths.StorageError, paths.PathError) as e:
+            sys.exit(f"launch/serve.py: --params={_PARAMS.value}: {e}")
+        if not found:
+            sys.exit(f"launch/serve.py: --params={_PARAMS.value} does not exist")
     devices = jax.devices()[: _NUM_DEVICES.value or None]
-    srv = server_lib.serve(_CONFIG.value, host=_HOST.value, port=_PORT.value, devices=devices,
-                           jetstream=_JETSTREAM.value, params=_PARAMS.value, token=token,
-                           weights_dir=_WEIGHTS_DIR.value)
+    try:
+        srv = server_lib.serve(_CONFIG.value, host=_HOST.value, port=_PORT.value, devices=devices,
+                               jetstream=_JETSTREAM.value, params=_PARAMS.value, token=token,
+                               weights_dir=_WEIGHTS_DIR.value, session_lease_s=_LEASE.value)
+    except paths.StorageError as e:
+        sys.exit(f"launch/serve.py: --params={_PARAMS.value}: {e}")
+    except OSError as e:  # a port in use or an address not on this host: named, not a grpc abort
+        sys.exit(f"launch/serve.py: --host={_HOST.value} --port={_PORT.value}: {e}")
     stop = threading.Event()
 
     def on_signal(signum, frame):

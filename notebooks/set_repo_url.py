@@ -4,7 +4,9 @@ so that on Colab they clone the repository they came from.
     python notebooks/set_repo_url.py [--remote=origin] [NOTEBOOK ...]
 
 An ssh remote (git@host:owner/repo.git) is written as its https URL: Colab has no ssh key.
-Without the remote it exits non-zero and says what to set instead.
+Without the remote it exits non-zero and says what to set instead. A remote that is a path on this
+machine (/srv/git/rl_scaling, ../rl_scaling, file://...) is written with a warning: Colab cannot
+clone it; push the repository where Colab can reach it, or set RL_SCALING_REPO there.
 """
 
 import argparse
@@ -27,6 +29,15 @@ def remote_url(remote="origin", cwd=HERE):
     url = res.stdout.strip()
     m = re.match(r"^[\w.-]+@([\w.-]+):(.+)$", url)  # scp-like ssh syntax
     return f"https://{m.group(1)}/{m.group(2)}" if m else url
+
+
+def is_local(url: str) -> bool:
+    """Whether a git URL names a path on this machine (which a Colab runtime cannot clone)."""
+    if url.startswith("file:"):
+        return True
+    if re.match(r"^[A-Za-z][\w+.-]*://", url):  # https://, ssh://, git://
+        return False
+    return not re.match(r"^[\w.-]+@[\w.-]+:", url)  # not scp-like ssh; a plain (or Windows drive) path
 
 
 def set_url(notebook, url):
@@ -52,6 +63,10 @@ def main(argv=None):
     if not url:
         sys.exit(f"this checkout has no git remote {args.remote!r}: add it (git remote add {args.remote} URL) "
                  "and rerun, or set RL_SCALING_REPO (or REPO_URL in the first cell) in Colab")
+    if is_local(url):
+        print(f"warning: git remote {args.remote!r} is a path on this machine ({url}): a Colab runtime cannot clone "
+              "it. Push the repository to a host Colab can reach and point the remote there (git remote set-url "
+              f"{args.remote} URL), or set RL_SCALING_REPO in Colab before the first cell", file=sys.stderr)
     for nb in args.notebooks:
         set_url(nb, url)
         print(f"{nb}: REPO_URL = {url}")

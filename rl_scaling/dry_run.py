@@ -291,12 +291,12 @@ def _collective_ops(compiled) -> dict:
     return {op: text.count(f" {op}(") for op in ("ragged-all-to-all", "all-to-all", "all-gather")}
 
 
-def gen_params_abstract(cfg: model_lib.ModelConfig, mesh):
+def gen_params_abstract(cfg: model_lib.ModelConfig, mesh, layout=None):
     """Abstract generator params on `mesh` as the engine holds them: split per layer
-    (model_lib.split_layers), the body in cfg.dtype, the LM head float32 when cfg.fp32_lm_head
-    (what the trainer pushes, resharded and cast)."""
+    (model_lib.split_layers) on the engine's shardings (engine.generator_layout), the body in
+    cfg.dtype, the LM head float32 when cfg.fp32_lm_head (what the trainer pushes, resharded and cast)."""
     shapes = jax.eval_shape(lambda: model_lib.split_layers(nn.unbox(model_lib.init_params(cfg, jax.random.key(0)))))
-    shardings = engine.split_param_shardings(cfg, mesh)
+    shardings = (layout or engine.generator_layout(cfg, mesh)).split_params
     body = model_lib.DTYPES[cfg.dtype]
 
     def leaf(path, x, s):
@@ -305,6 +305,34 @@ def gen_params_abstract(cfg: model_lib.ModelConfig, mesh):
         return jax.ShapeDtypeStruct(x.shape, dtype, sharding=s)
 
     return jax.tree_util.tree_map_with_path(leaf, shapes, shardings), shardings
+
+
+def generation_layout(config, devices) -> dict:
+    """What the dry run compiles generation with, over `devices` (the generator slice's chips):
+    the mesh config.tpu.gen_mesh names (`data` = replicas), the engine's layout on it
+    (engine.generator_layout, the function every engine is built with), the abstract params and
+    the abstract KV cache of all replicas' slots, and the mesh one replica's engine builds
+    (engine.generator_mesh over one replica's chips: what `launch/serve.py` runs)."""
+    devices = list(devices)
+    try:
+        mesh = sharding.make_mesh(dict(config.tpu.gen_mesh), devices)
+    except ValueError as e:
+        raise DryRunError(f"config.tpu.gen_mesh on {len(devices)} chips: {e}") from e
+    cfg = config_lib.model_config(config, config.rollout.fp32_lm_head)
+    layout = engine.generator_layout(cfg, mesh)
+    rc = config.rollout
+    replicas = mesh.shape["data"]
+    slots = rc.engine_slots or rc.prompts_per_step * rc.samples_per_prompt
+    rows = replicas * slots
+    params, _ = gen_params_abstract(cfg, mesh, layout)
+    cache_len = config.task.max_prompt_len + rc.max_new_tokens
+    cache = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+                         jax.eval_shape(lambda: model_lib.init_cache(cfg, rows, cache_len)), layout.cache)
+    per_replica = len(devices) // replicas
+    replica_mesh = engine.generator_mesh(config.tpu.gen_mesh, devices[:per_replica])
+    return {"mesh": mesh, "cfg": cfg, "layout": layout, "params": params, "cache": cache, "replicas": replicas,
+            "slots": slots, "rows": rows, "cache_len": cache_len, "replica_mesh": replica_mesh,
+            "replica_layout": engine.generator_layout(cfg, replica_mesh)}
 
 
 def decode_step(params, cache, token_B, pos_B, active_B, rng, *, cfg, temperature):
@@ -330,19 +358,12 @@ def compile_generation(config) -> list[dict]:
     tpu = config.tpu
     chip = chip_of(tpu.gen_topology)
     capacity = tpu.hbm_gib or chip.hbm_gib
-    mesh = topology_mesh(tpu.gen_topology, tpu.gen_mesh, "config.tpu.gen_mesh")
-    cfg = config_lib.model_config(config, config.rollout.fp32_lm_head)
+    gen = generation_layout(config, topology_devices(tpu.gen_topology))
+    mesh, cfg, layout, params, cache = gen["mesh"], gen["cfg"], gen["layout"], gen["params"], gen["cache"]
     rc = config.rollout
-    replicas = mesh.shape["data"]
-    slots = rc.engine_slots or rc.prompts_per_step * rc.samples_per_prompt
-    S = config.task.max_prompt_len + rc.max_new_tokens
-    rows = replicas * slots
+    replicas, slots, rows, S = gen["replicas"], gen["slots"], gen["rows"], gen["cache_len"]
     chips, chips_per_replica = mesh.devices.size, mesh.devices.size // replicas
-    params, param_sh = gen_params_abstract(cfg, mesh)
-    cache = jax.eval_shape(lambda: model_lib.init_cache(cfg, rows, S))
-    cache_sh = engine.cache_shardings(cfg, mesh)
-    row_sh = sharding.batch_sharding(mesh, 1)
-    rep = sharding.replicated(mesh)
+    param_sh, cache_sh, row_sh, rep = layout.split_params, layout.cache, layout.rows, layout.replicated
     fn = functools.partial(decode_step, cfg=cfg, temperature=rc.temperature)
     jitted = jax.jit(fn, in_shardings=(param_sh, cache_sh, row_sh, row_sh, row_sh, rep),
                      out_shardings=(row_sh, row_sh, cache_sh), donate_argnums=1)
@@ -364,7 +385,10 @@ def compile_generation(config) -> list[dict]:
               "memory_gib": mem, "xla_flops_per_chip": _xla_flops(compiled), "model_flops": model, "hw_flops": hw,
               "batch": f"{replicas} replicas x {slots} slots ({chips_per_replica} chips each), KV cache of {S} tokens",
               "time_roofline_s": t_step, "bound": "memory" if t_memory >= t_compute else "compute",
-              "tokens_per_s": rows / t_step, "mfu_roofline": model / (peak * t_step)}
+              "tokens_per_s": rows / t_step, "mfu_roofline": model / (peak * t_step),
+              "layout": f"{replicas} replica(s) of {chips_per_replica} chips, each an engine with "
+                        f"{gen['replica_layout'].describe()} (launch/serve.py --num_devices={chips_per_replica} "
+                        "builds it from config.tpu.gen_mesh)"}
     gen_tokens = rc.prompts_per_step * rc.samples_per_prompt * rc.max_new_tokens
     decode["step_batch_s"] = gen_tokens / decode["tokens_per_s"]  # all samples at the full budget
     results = [decode]
@@ -372,7 +396,7 @@ def compile_generation(config) -> list[dict]:
     # Prefill: one prompt per replica into a prompt-length cache (JetStream prefill, then insert).
     Pl = config.task.max_prompt_len
     fn = functools.partial(prefill_step, cfg=cfg, cache_len=Pl)
-    pre_cache_sh = engine.cache_shardings(cfg, mesh)
+    pre_cache_sh = layout.cache
     jitted = jax.jit(fn, in_shardings=(param_sh, row_sh, row_sh), out_shardings=pre_cache_sh)
     t0 = time.time()
     with _compile_errors("prefill", tpu.gen_topology, capacity), sharding.tracing_mesh(mesh):
@@ -416,6 +440,7 @@ def format_result(r: dict) -> str:
                              f" + weights {t['weights'] / 1e9:.0f}), {t['time_s']:.1f} s at full ICI bandwidth;"
                              f" est. step {r['time_est_s'] + t['time_s']:.1f} s without overlap")
     elif r["step"] == "decode":
+        lines.append(f"  generator layout: {r['layout']}")
         lines.append(f"  est. decode step: {1e3 * r['time_roofline_s']:.1f} ms ({r['bound']}-bound roofline), "
                      f"{r['tokens_per_s']:.0f} tokens/s over the slice, MFU {100 * r['mfu_roofline']:.1f}%;"
                      f" one RL step's samples at the full budget in {r['step_batch_s']:.0f} s")

@@ -47,6 +47,7 @@ def train(config, workdir: str) -> dict:
     preemption.Preempted (preemption.py)."""
     config_lib.validate(config)
     pipeline.check_config(config)
+    paths.configure_storage(config.storage)  # deadlines on every gs:// call from here on
     workdir = prepare_workdir(workdir)
     held = lock_lib.acquire(workdir) if jax.process_index() == 0 else None  # before anything is written
     preempt = preemption.Preemption(config.preemption_grace_s)
@@ -107,7 +108,11 @@ def _train(config, workdir, held, preempt):
     writer = metrics_lib.MetricsWriter(workdir, resume_step=step if restored else None,
                                        resume_flops=meta["compute_flops"])
     progress = metrics_lib.Progress(config.steps, step)
-    rl_step = ts.jit_step(ts.rl_step, state_sh, mesh, model_cfg=train_cfg, rl_cfg=config.rl, optimizer=optimizer,
+    # MoE routing replay: r3 needs the generator's record (the sync sampler's, or the JetStream
+    # engines' in pipeline mode: pipeline.routing_shape)
+    replay = ts.replay_mode(config.rl, train_cfg)
+    rl_step = ts.jit_step(ts.rl_step, state_sh, mesh, batch_keys=ts.rl_batch_keys(config.rl, train_cfg),
+                          model_cfg=train_cfg, rl_cfg=config.rl, optimizer=optimizer,
                           prompt_len=config.task.max_prompt_len)  # collect.rl_batch's prompt columns
     n_devices = jax.device_count()
     counters = {k: meta[k] for k in ("compute_flops", "accel_seconds", "samples")}
@@ -136,7 +141,7 @@ def _train(config, workdir, held, preempt):
             t_gen = time.time()
             ro = collect.sync_rollouts(state["params"], gen_cfg, task, stream, P, G, rng, length=length,
                                        dynamic_rounds=config.rollout.dynamic_sampling and config.rollout.dynamic_sampling_rounds,
-                                       **gen_kw)
+                                       record_routing=replay == "r3", **gen_kw)
             prompt_tokens, prompt_mask, out, rewards, correct = ro.prompt_tokens, ro.prompt_mask, ro.out, ro.rewards, ro.correct
             rollout_metrics = {"time/rollout_s": time.time() - t_gen, **ro.metrics}
             generated = ro.generated  # (prompt, completion) lengths of every sampled sequence
@@ -251,7 +256,8 @@ def warm_start(config, task, train_cfg, gen_cfg, mesh, gen_kw):
     tok = task.tokenizer
     offset = 2 * data.TRAIN_POOL  # indices the RL stream never uses
     probe = [task.train_problem(offset + i) for i in range(ws.probe_prompts)]
-    rate = 0.0
+    rate, t0 = 0.0, time.time()
+    log.info("warm start: until the probe pass rate reaches %.2f (at most %d steps)", ws.target_pass_rate, ws.max_steps)
     for s in range(ws.max_steps):
         problems = [task.train_problem(offset + ws.probe_prompts + s * ws.batch_size + i) for i in range(ws.batch_size)]
         prompt, prompt_mask = data.encode_prompts(tok, [p.prompt for p in problems], config.task.max_prompt_len)
@@ -264,8 +270,9 @@ def warm_start(config, task, train_cfg, gen_cfg, mesh, gen_kw):
         if (s + 1) % ws.eval_every == 0:
             rate = evaluate.pass_rate(state["params"], gen_cfg, task, probe, samples_per_prompt=2,
                                       batch_size=config.eval.batch_size, rng=jax.random.key(s), **gen_kw)["pass_rate"]
-            if jax.process_index() == 0:
-                print(f"warm start step {s + 1}: loss={float(m['loss']):.3f} probe pass rate={rate:.3f}", flush=True)
+            left = (time.time() - t0) / (s + 1) * (ws.max_steps - s - 1)
+            log.info("warm start step %d/%d: loss %.3f, probe pass rate %.3f (target %.2f), at most ~%.1f min left",
+                     s + 1, ws.max_steps, float(m["loss"]), rate, ws.target_pass_rate, left / 60)
             if rate >= ws.target_pass_rate:
                 break
     return state["params"]

@@ -178,6 +178,7 @@ def test_metrics_and_tensorboard_on_gcs(gcs, tmp_path):
     w = metrics.MetricsWriter(run)
     for s in (1, 2, 3):
         w.write(s, {"loss": s / 4})
+    w.flush()  # on gs:// lines go out on a flush (the trainer's before each checkpoint) or every flush_s
     assert [json.loads(x)["step"] for x in paths.read_text(run + "/metrics.jsonl").splitlines()] == [1, 2, 3]
     w.close()
     time.sleep(1.1)  # event files are named by the second they were opened in

@@ -152,9 +152,9 @@ def test_generator_streams_each_token_then_the_result_and_reset_keeps_streamed_g
     assert len(tokens) == int(result.lengths.sum())
 
 
-def _rpc_error(call, *args):
+def _rpc_error(call, *args, **kw):
     with pytest.raises(grpc.RpcError) as err:
-        result = call(*args, timeout=30)
+        result = call(*args, timeout=30, **kw)
         if not isinstance(result, bytes):  # a response stream
             list(result)
     return err.value
@@ -303,12 +303,14 @@ def test_malformed_rollout_requests_get_invalid_argument_and_nothing_is_unpickle
         (push, iter([chunk(), server_lib.pack({"version": 9, "done": True, "leaves": 1})]), "weight push has no"),
         (push, iter([chunk()]), "ended before its last chunk"),
     ]
+    session = ((server_lib.SESSION_METADATA, "s"),)  # a push without one is refused first (test_server_edges.py)
     for call, request, message in cases:
-        err = _rpc_error(call, request)
+        err = _rpc_error(call, request, **({"metadata": session} if call is push else {}))
         assert not marker.exists(), f"the server unpickled client data ({message})"
         assert err.code() == INVALID, (message, err.code(), err.details())
         assert message in err.details() and "Traceback" not in err.details(), (message, err.details())
     assert srv.holder.version == version  # no malformed push changed the weights
+    rpc["Health"](server_lib.pack({"session": "s", "release": True}), timeout=30)  # as a closing trainer does
     _assert_serves(srv, channel, greedy)
 
 

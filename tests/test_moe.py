@@ -1,7 +1,9 @@
 """MoE layer: dropless ragged dispatch == dense oracle (values and gradients), the sharded
 shard_map path == the single-device path, expert parallelism over 2, 4 and 8 fake devices ==
 the dense oracle (values and gradients, balanced and all-to-one-expert routing), the padded
-stand-in for ragged_all_to_all == the collective's documented semantics, sown router metrics. (KV-cache decode == recompute
+stand-in for ragged_all_to_all == the collective's documented semantics, the TPU/GPU exchange's
+offsets against a numpy model of that collective and its whole path (moe.ragged_exchange) run on
+CPU through an emulation of it, indivisible shapes as an error or a warning, sown router metrics. (KV-cache decode == recompute
 on an MoE model is in test_hf_parity.py, on a model imported from transformers.)"""
 
 import os
@@ -9,6 +11,8 @@ import os
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 
 import dataclasses  # noqa: E402
+import functools  # noqa: E402
+import re  # noqa: E402
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
@@ -141,6 +145,9 @@ def _ragged_all_to_all_numpy(operands, input_offsets, send_sizes, output_offsets
     for src in range(n):
         for j in range(K):
             dst = j // per
+            # numpy slicing would clip silently; the collective's slices must lie inside both buffers
+            assert 0 <= input_offsets[src][j] and input_offsets[src][j] + send_sizes[src][j] <= len(operands[src])
+            assert 0 <= output_offsets[src][j] and output_offsets[src][j] + send_sizes[src][j] <= out_rows
             rows = operands[src][input_offsets[src][j]:input_offsets[src][j] + send_sizes[src][j]]
             # the receiver's slice index for it: (src, j % per); sizes must agree
             assert recv_sizes[dst][src * per + j % per] == send_sizes[src][j]
@@ -260,3 +267,98 @@ def test_expert_parallel_without_expert_axis_is_the_ragged_path(ep_cases):
         assert "all_to_all" not in str(jax.make_jaxpr(moe.MoeMlp(dataclasses.replace(cfg, moe_impl="expert_parallel")).apply)(
             {"params": p}, x))
     np.testing.assert_array_equal(ys[0], ys[1])
+
+
+# ---- the TPU/GPU exchange path --------------------------------------------------------------------
+# XLA:CPU has no ragged-all-to-all (jax 0.10.2: "HLO opcode `ragged-all-to-all` is not supported by
+# XLA:CPU"), so its offsets are checked against the numpy model above, and the path that calls it runs
+# with `emulated_ragged_all_to_all`, an independent jnp rendering of the documented pseudocode.
+
+
+@pytest.mark.parametrize("n,L", [(2, 1), (4, 2), (8, 1)])
+def test_exchange_offsets_route_rows_to_their_experts_and_back(n, L):
+    """Every device's offsets (moe.exchange_offsets) through the collective's documented semantics:
+    out, device d holds its experts' rows grouped by local expert, sources in order within one, then
+    padding; back, every source gets its own buffer again."""
+    E, N = n * L, 6
+    rng = np.random.default_rng(n)
+    counts = [rng.multinomial(N, rng.dirichlet(np.ones(E) * 0.3)) for _ in range(n)]
+    counts[0] = np.eye(E, dtype=np.int64)[E - 1] * N  # one source sends everything to the last expert
+    count_nE = np.stack(counts).astype(np.int32)
+    # source i's buffer, sorted by expert: rows labelled (source, expert, rank within the expert)
+    bufs = [np.array([(i, e, r) for e in range(E) for r in range(count_nE[i, e])], np.float32) for i in range(n)]
+    plans = [jax.tree.map(np.asarray, moe.exchange_offsets(jnp.asarray(count_nE), d, L)) for d in range(n)]
+    recv = _ragged_all_to_all_numpy(bufs, *zip(*[p[0] for p in plans]), out_rows=n * N)
+    for d in range(n):
+        want = [(i, e, r) for e in range(d * L, (d + 1) * L) for i in range(n) for r in range(count_nE[i, e])]
+        want = np.array(want, np.float32).reshape(-1, 3)
+        np.testing.assert_array_equal(recv[d][:len(want)], want)
+        np.testing.assert_array_equal(recv[d][len(want):], 0)
+    back = _ragged_all_to_all_numpy(recv, *zip(*[p[1] for p in plans]), out_rows=N)
+    for i in range(n):
+        np.testing.assert_array_equal(back[i], bufs[i])
+
+
+def emulated_ragged_all_to_all(operand, output, input_offsets, send_sizes, output_offsets, recv_sizes, *,
+                               axis_name):
+    """jax.lax.ragged_all_to_all's documented semantics from all_gathers (inside shard_map): slice j of
+    source i (operand[input_offsets[j]:][:send_sizes[j]]) goes to device j // per, where it is written
+    at the source's output_offsets[j]; the receiver reads the slice's length from its recv_sizes."""
+    n, R = jax.lax.axis_size(axis_name), operand.shape[0]
+    per = send_sizes.shape[0] // n
+    me = jax.lax.axis_index(axis_name)
+    ops = jax.lax.all_gather(operand, axis_name)
+    mine = lambda a: jax.lax.dynamic_slice_in_dim(jax.lax.all_gather(a, axis_name), me * per, per, 1)  # noqa: E731
+    src_start, dst_start = mine(input_offsets), mine(output_offsets)  # [n sources, per]
+    rows = jnp.arange(R)
+    valid = rows < recv_sizes.reshape(n, per)[..., None]
+    src = jnp.clip(src_start[..., None] + rows, 0, R - 1)
+    dst = jnp.where(valid, dst_start[..., None] + rows, output.shape[0])  # invalid rows: dropped
+    vals = ops[jnp.arange(n)[:, None, None], src]
+    return output.at[dst.reshape(-1)].set(vals.reshape((-1,) + operand.shape[1:]), mode="drop")
+
+
+def test_ragged_exchange_path_equals_dense_on_cpu(ep_cases):
+    """The TPU/GPU branch of moe.exchange (moe.ragged_exchange, with the collective emulated) through
+    the whole expert-parallel layer == the dense oracle, both routings, expert=4 x tensor=2."""
+    if len(jax.devices()) < 8:
+        pytest.skip("needs 8 (fake) devices")
+    ex = functools.partial(moe.ragged_exchange, collective=emulated_ragged_all_to_all)
+    mesh = sharding.make_mesh({"expert": 4, "tensor": 2})
+
+    def both(cases):
+        out = {}
+        for name, (p, x) in cases.items():
+            x_SD = x.reshape(-1, x.shape[-1])
+            _, idx, gate = moe.route(x_SD, p["router"], EP_K[name])
+            w = (p["wi_gate"], p["wi_up"], p["wo"])
+            out[name] = (moe.experts_expert_parallel(x_SD, idx, gate, *w, jnp.float32, exchange_fn=ex),
+                         moe.experts_dense(x_SD, idx, gate, *w, jnp.float32))
+        return out
+
+    with jax.set_mesh(mesh):
+        fn = jax.jit(both)
+        assert "all_to_all" not in fn.lower(ep_cases).as_text()  # the emulation, not the padded stand-in
+        got = fn(ep_cases)
+    for name, (y, want) in got.items():
+        np.testing.assert_allclose(y, want, atol=1e-5, rtol=1e-5, err_msg=name)
+
+
+def test_indivisible_shapes_error_or_warn(ep_cases, caplog):
+    """15 tokens on 8 devices: "error" names the shapes and the config fields; "warn" logs the bytes and
+    computes the same values by the gather."""
+    p, x = ep_cases["spread"]
+    x = x.reshape(16, -1)[:15].reshape(3, 5, -1)
+    mesh = sharding.make_mesh({"expert": 8}) if len(jax.devices()) >= 8 else pytest.skip("needs 8 devices")
+    cfg = dataclasses.replace(EP_CFG, num_experts_per_tok=EP_K["spread"], moe_impl="expert_parallel")
+    with jax.set_mesh(mesh):
+        with pytest.raises(ValueError, match=r"15 tokens.*8 experts.*model.num_experts.*mesh.expert.*"
+                                             r"model.moe_indivisible='warn'"):
+            jax.jit(moe.MoeMlp(dataclasses.replace(cfg, moe_indivisible="error")).apply)({"params": p}, x)
+        with caplog.at_level("WARNING", logger="rl_scaling.policy.moe"):
+            y = jax.jit(moe.MoeMlp(dataclasses.replace(cfg, moe_indivisible="warn")).apply)({"params": p}, x)
+    assert re.search(r"expert parallelism .*15 tokens.* GiB per layer and pass", caplog.text)
+    want = jax.jit(moe.MoeMlp(dataclasses.replace(cfg, moe_impl="dense")).apply)({"params": p}, x)
+    np.testing.assert_allclose(y, want, atol=1e-5, rtol=1e-5)
+    with pytest.raises(ValueError, match="moe_indivisible"):
+        dataclasses.replace(cfg, moe_indivisible="ignore")

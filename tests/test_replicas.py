@@ -90,7 +90,7 @@ def test_every_rpc_needs_the_token_and_a_run_is_unaffected_by_a_client_without_i
 
 
 def test_bounds_and_versions_that_go_back_are_refused(mesh1, tiny_params):
-    srv = _server(mesh1, port=0, token=TOKEN, max_submit_samples=64, max_fetches=1)
+    srv = _server(mesh1, port=0, token=TOKEN, max_submit_samples=64, max_fetches=1, session_lease_s=1.0)
     channel, rpc, push = _raw(srv.address)
     md = ((wire.TOKEN_METADATA, TOKEN),)
     prompt = np.asarray([1, 5, 6], np.int32)
@@ -110,7 +110,9 @@ def test_bounds_and_versions_that_go_back_are_refused(mesh1, tiny_params):
         code, details = _code(push, wire.weight_chunks(jax.device_get(tiny_params), 4), session)
         assert code == grpc.StatusCode.FAILED_PRECONDITION and "version 4 is older than the server's 5" in details
         assert srv.holder.version == 5
-        # a new trainer session (resumed from an older checkpoint) starts its versions afresh
+        # a new trainer session (resumed from an older checkpoint, once session a's lease has lapsed)
+        # starts its versions afresh
+        time.sleep(1.2)
         push(wire.weight_chunks(jax.device_get(tiny_params), 2), timeout=30, metadata=md + (("x-rl-scaling-session", "b"),))
         assert srv.holder.version == 2
         # concurrent Fetches beyond the bound: RESOURCE_EXHAUSTED while one long-polls

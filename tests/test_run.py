@@ -17,7 +17,7 @@ sys.path.insert(0, ROOT)
 from configs import tiny  # noqa: E402
 
 # Small everything: a 5-step warm start (no target), tiny eval.
-FAST = dict(warmstart=dict(max_steps=5, eval_every=5, target_pass_rate=1.1, probe_prompts=8),
+FAST = dict(warmstart=dict(max_steps=5, eval_every=5, target_pass_rate=1.0, probe_prompts=8),
             eval=dict(num_prompts=16, samples_per_prompt=2, batch_size=32),
             rollout=dict(prompts_per_step=8, samples_per_prompt=4))
 
@@ -103,7 +103,7 @@ def test_sigkill_and_resume_reproduces_the_uninterrupted_run(tmp_path):
 
 @pytest.mark.parametrize("flag, message", [
     ("--config.rolout.prompts_per_step=4", "rolout"),
-    ("--config.rollout.prompts_per_step=0", "config.rollout.prompts_per_step must be positive"),
+    ("--config.rollout.prompts_per_step=0", "config.rollout.prompts_per_step=0 must be positive"),
     ("--config.eval.num_prompts=100000", "eval.num_prompts=100000 is larger than the held-out pool"),
     ("--config.rl.loss=ppo", "config.rl.loss='ppo' is not valid"),
 ])

@@ -100,14 +100,16 @@ def _host(arr, i):
 
 
 def save_hf_checkpoint(params, cfg: M.ModelConfig, path: str, dtype: str | None = None,
-                       max_shard_bytes: int = 5 << 30, tokenizer=None, generation: dict | None = None):
+                       max_shard_bytes: int = 5 << 30, tokenizer=None, generation: dict | None = None,
+                       progress=None):
     """Write `params` (unboxed) as HF safetensors shards + index + config.json.
 
     With `tokenizer` (a CharTokenizer or HFTokenizer) also its files (save_hf_tokenizer), its
     bos/eos/pad ids in config.json and generation_config.json (those ids plus `generation`,
     e.g. the run's sampling temperature and max_new_tokens), so generate() stops at EOS.
-    Tensors are fetched to the host one (layer, weight) at a time. Single-process only: on a
-    multi-host mesh gather with process_allgather first."""
+    Tensors are fetched to the host one (layer, weight) at a time; progress(done, total), when
+    given, is called after each. Single-process only: on a multi-host mesh gather with
+    process_allgather first."""
     paths.makedirs(path)
     np_dtype = np.dtype(ml_dtypes.bfloat16) if (dtype or cfg.param_dtype) == "bfloat16" else np.dtype(np.float32)
     specs = _param_specs(cfg)
@@ -144,10 +146,20 @@ def save_hf_checkpoint(params, cfg: M.ModelConfig, path: str, dtype: str | None 
         cur.append(name)
         size += nbytes
     groups.append(cur)
-    weight_map = {}
+    weight_map, done = {}, [0]
+
+    def counted(produce):
+        def run():
+            x = produce()
+            done[0] += 1
+            if progress is not None:
+                progress(done[0], len(jobs))
+            return x
+        return run
+
     for g, names in enumerate(groups):
         fname = "model.safetensors" if len(groups) == 1 else f"model-{g + 1:05d}-of-{len(groups):05d}.safetensors"
-        _write_safetensors(paths.join(path, fname), {n: jobs[n][2] for n in names},
+        _write_safetensors(paths.join(path, fname), {n: counted(jobs[n][2]) for n in names},
                            {n: jobs[n][:2] for n in names})
         weight_map.update({n: fname for n in names})
     if len(groups) > 1:

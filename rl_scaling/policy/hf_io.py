@@ -152,7 +152,8 @@ class _SafetensorsDir:
     """Tensors of a checkpoint directory (single file or sharded index): memory-mapped when
     local, read by byte ranges when on gs://."""
 
-    def __init__(self, path):
+    def __init__(self, path, progress=None):
+        self.progress = progress  # progress(tensors read, tensors in the checkpoint), or None
         index = paths.join(path, "model.safetensors.index.json")
         if paths.exists(index):
             files = sorted(set(json.loads(paths.read_text(index))["weight_map"].values()))
@@ -186,6 +187,8 @@ class _SafetensorsDir:
                 self._maps[key] = _RangeTensor(fname, offset, np.dtype(_ST_DTYPES[dt]), shape)
             else:
                 self._maps[key] = np.memmap(fname, dtype=_ST_DTYPES[dt], mode="r", offset=offset, shape=shape)
+            if self.progress is not None:
+                self.progress(len(self._maps), len(self.entries))
         return self._maps[key]
 
 
@@ -303,12 +306,12 @@ def abstract_params(cfg: M.ModelConfig, mesh):
     return shapes, sharding.tree_shardings(mesh, nn.get_partition_spec(boxed))
 
 
-def load_hf_checkpoint(path: str, cfg: M.ModelConfig | None = None, mesh=None):
+def load_hf_checkpoint(path: str, cfg: M.ModelConfig | None = None, mesh=None, progress=None):
     """Unboxed params (a dict like init_params' after nn.unbox), each a global jax.Array with
     the sharding its logical axes give on `mesh` (default: one device)."""
     cfg = cfg or config_from_hf(path)
     mesh = mesh or sharding.make_mesh(devices=jax.devices()[:1])
-    files = _SafetensorsDir(path)
+    files = _SafetensorsDir(path, progress)
     prefix = ""
     if "model.embed_tokens.weight" not in files.keys():
         hits = [k[: -len("model.embed_tokens.weight")] for k in files.keys() if k.endswith("model.embed_tokens.weight")]

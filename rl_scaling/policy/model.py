@@ -64,6 +64,9 @@ class ModelConfig:
     router_aux_loss_coef: float = 0.0
     moe_impl: str = "ragged"  # "ragged" / "expert_parallel": dropless grouped matmul (moe.py); "dense": test oracle
     moe_token_chunk: int = 0  # expert_parallel: tokens per device and exchange (0: all at once); bounds the buffers
+    # Shapes the mesh does not divide make the experts' weights gather whole per layer (moe.indivisible):
+    # "error" stops at trace time naming the shapes and config fields, "warn" logs the bytes it costs.
+    moe_indivisible: str = "warn"
     # Llama-4 attention details (off for Llama-3 shapes).
     nope_layer_interval: int = 0  # every n-th layer uses no RoPE (Llama 4: 4)
     attention_chunk_size: int = 0  # RoPE layers attend within chunks (Llama 4: 8192)
@@ -74,6 +77,8 @@ class ModelConfig:
     rope_scaling: Any = None  # Llama-3.1 style frequency scaling dict, or None
 
     def __post_init__(self):
+        if self.moe_indivisible not in moe.INDIVISIBLE:
+            raise ValueError(f"model.moe_indivisible must be one of {moe.INDIVISIBLE}, got {self.moe_indivisible!r}")
         for name in ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "head_dim", "mlp_dim"):
             if int(getattr(self, name)) <= 0:
                 raise ValueError(f"model.{name} must be positive, got {getattr(self, name)}")
@@ -307,7 +312,7 @@ class Block(nn.Module):
     query_offset: int | None = None  # see Decoder
 
     @nn.compact
-    def __call__(self, carry, layer_idx, positions_BT, masks, cache_index_B):
+    def __call__(self, carry, layer_idx, positions_BT, masks, cache_index_B, routing_BTK=None):
         cfg = self.cfg
         dtype = DTYPES[cfg.dtype]
         x_BTD, cache_kv = carry  # cache_kv: None (training) or this layer's (k, v)
@@ -322,7 +327,7 @@ class Block(nn.Module):
         x_BTD = x_BTD + attn_BTD
         h_BTD = RMSNorm(cfg.norm_eps, dtype, name="mlp_norm")(x_BTD)
         if cfg.num_experts:
-            mlp_BTD = moe.MoeMlp(cfg, name="moe")(h_BTD)
+            mlp_BTD = moe.MoeMlp(cfg, name="moe")(h_BTD, routing_BTK)
         else:
             mlp_BTD = SwiGLU(cfg, cfg.mlp_dim, name="mlp")(h_BTD)
         x_BTD = x_BTD + mlp_BTD
@@ -337,10 +342,13 @@ class Decoder(nn.Module):
     query_offset: int | None = None
 
     @nn.compact
-    def __call__(self, tokens_BT, positions_BT, token_mask_BT, cache=None, return_hidden=False):
+    def __call__(self, tokens_BT, positions_BT, token_mask_BT, cache=None, return_hidden=False, routing=None):
         """Logits [B, T, V] in float32 and the updated cache. With return_hidden=True (training
         at large vocab) it returns the final hidden states and the LM head kernel instead,
-        so the caller can compute log-probs chunk by chunk without all the logits at once."""
+        so the caller can compute log-probs chunk by chunk without all the logits at once.
+        routing [B, T, n_layers, k] (MoE routing replay): the experts each token takes in each
+        layer instead of the router's top-k (moe.MoeMlp); the routers' own choices are sown
+        (`moe.routing_of`) when "intermediates" is mutable."""
         cfg = self.cfg
         dtype, pdtype = DTYPES[cfg.dtype], DTYPES[cfg.param_dtype]
         embed = self.param(
@@ -381,25 +389,30 @@ class Decoder(nn.Module):
             block = Block
             if cfg.remat:
                 block = nn.remat(Block, prevent_cse=False, static_argnums=())
+            routing_LBTK = None if routing is None else jnp.moveaxis(routing, 2, 0)
             layers = nn.scan(
                 block,
                 variable_axes={"params": 0, "intermediates": 0},
                 split_rngs={"params": True},
-                in_axes=(0, nn.broadcast, nn.broadcast, nn.broadcast),
+                in_axes=(0, nn.broadcast, nn.broadcast, nn.broadcast, nn.broadcast if routing is None else 0),
                 length=cfg.n_layers,
                 metadata_params={nn.PARTITION_NAME: "layers"},
             )(cfg, self.query_offset, name="layers")
-            (x_BTD, _), _ = layers((x_BTD, None), jnp.arange(cfg.n_layers), positions_BT, masks, None)
+            (x_BTD, _), _ = layers((x_BTD, None), jnp.arange(cfg.n_layers), positions_BT, masks, None, routing_LBTK)
             new_kv = None
         else:
             # Layer by layer over the same stacked params. Decoding: over per-layer cache buffers,
             # since a scan would slice (copy) the layer's cache and weights out of the stacks at
             # every step; the weights may come pre-split (`split_layers`, once per sampling
             # call) so their slices are not copied per step either.
+            record = bool(cfg.num_experts) and self.is_mutable_collection("intermediates")
+
             def run_layer(layer_variables, x_BTD, kv, i):
-                (x_BTD, kv), _ = Block(cfg, self.query_offset).apply(layer_variables, (x_BTD, kv), i, positions_BT, masks,
-                                                                     cache_index_B)
-                return x_BTD, kv
+                r = None if routing is None else routing[:, :, i]
+                out = Block(cfg, self.query_offset).apply(layer_variables, (x_BTD, kv), i, positions_BT, masks,
+                                                          cache_index_B, r, mutable=["intermediates"] if record else False)
+                ((x_BTD, kv), _), inter = out if record else (out, {})
+                return x_BTD, kv, inter.get("intermediates", {}).get("moe", {}).get("expert_idx", (None,))[0]
 
             if cfg.remat and cache is None:
                 run_layer = jax.checkpoint(run_layer, static_argnums=(3,), prevent_cse=False)
@@ -407,11 +420,12 @@ class Decoder(nn.Module):
             if not isinstance(per_layer, (list, tuple)):
                 per_layer = split_layers({"layers": per_layer})["layers"]
             panels = self.variables.get("panels", {}).get("layers")  # cpu_kernels.decode_panels
-            new_k, new_v = [], []
+            new_k, new_v, expert_idx = [], [], []
             for i, layer_params in enumerate(per_layer):
                 kv = None if cache is None else (cache["k"][i], cache["v"][i])
                 layer_variables = {"params": layer_params, **({"panels": panels[i]} if panels else {})}
-                x_BTD, kv = run_layer(layer_variables, x_BTD, kv, i)
+                x_BTD, kv, idx_SK = run_layer(layer_variables, x_BTD, kv, i)
+                expert_idx.append(idx_SK)
                 # The scan's carry stores the residual stream in cfg.dtype between layers; without
                 # the barrier XLA fuses across layers and skips that rounding, and a bfloat16
                 # generator would drift from the trainer's recompute of its log-probs.
@@ -420,6 +434,8 @@ class Decoder(nn.Module):
                     new_k.append(kv[0])
                     new_v.append(kv[1])
             new_kv = (tuple(new_k), tuple(new_v))
+            if record:  # the scan's layout: [n_layers, B*T, k]
+                self.sow("intermediates", "expert_idx", jnp.stack(expert_idx))
         x_BTD = RMSNorm(cfg.norm_eps, dtype, name="final_norm")(x_BTD)
 
         if cfg.tie_embeddings:

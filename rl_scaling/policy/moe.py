@@ -77,11 +77,14 @@ router logits outside the shard_map, so over the global batch whatever the dispa
                    choices that went to expert e, P_e: mean softmax router probability);
                    the train step adds cfg.router_aux_loss_coef times its layer mean.
   expert_load      f_e, [E]; dropless dispatch drops nothing, so there is no dropped fraction.
+  expert_idx       [S, k] int32, the router's own top-k (also under replay): the routing a
+                   generator records and the trainer replays (`routing_of`, rl.routing_replay).
 """
 
 from __future__ import annotations
 
 import functools
+import logging
 import math
 from typing import TYPE_CHECKING
 
@@ -96,6 +99,27 @@ if TYPE_CHECKING:
     from rl_scaling.policy.model import ModelConfig
 
 IMPLS = ("ragged", "expert_parallel", "dense")
+INDIVISIBLE = ("error", "warn")  # cfg.moe_indivisible
+
+log = logging.getLogger(__name__)
+
+
+def indivisible(on, what, S, E, F, D, mesh, dtype):
+    """Shapes the mesh does not divide: the routed experts' weights are then gathered whole per
+    layer instead of staying sharded. `on` = cfg.moe_indivisible: "error" raises, naming the shapes
+    and the config fields that set them; "warn" logs the bytes it costs and carries on."""
+    gathered = 3 * D * F * E * jnp.dtype(dtype).itemsize
+    msg = (f"MoE {what}: {S} tokens (batch x length of this step), {E} experts, expert hidden {F} on mesh "
+           f"{dict(mesh.shape)} do not divide, so every device gathers all routed expert weights: "
+           f"{gathered / 2**30:.2f} GiB per layer and pass. Make the tokens per step divisible by the batch "
+           "axes (data x fsdp x expert: rollout.engine_slots, rollout.prompts_per_step x samples_per_prompt, "
+           "rl.grad_accum), model.num_experts by mesh.expert and model.moe_mlp_dim by mesh.tensor "
+           "(tpu.gen_mesh for the generators), or set model.moe_indivisible='warn' to accept it")
+    if on == "error":
+        raise ValueError(msg)
+    if on != "warn":
+        raise ValueError(f"model.moe_indivisible must be one of {INDIVISIBLE}, got {on!r}")
+    log.warning(msg)
 
 
 def _expert_init():
@@ -103,9 +127,14 @@ def _expert_init():
     return nn.initializers.variance_scaling(1.0, "fan_in", "truncated_normal", in_axis=-2, out_axis=-1, batch_axis=(0,))
 
 
-def route(x_SD, router_DE, k):
-    """Top-k routing in float32: (logits [S, E], chosen experts [S, k], sigmoid gates [S, k])."""
+def route(x_SD, router_DE, k, replay_SK=None):
+    """Top-k routing in float32: (logits [S, E], chosen experts [S, k], sigmoid gates [S, k]).
+    replay_SK (routing replay): these experts are taken instead of the top-k, their gates still
+    the sigmoid of the live logits, so the router keeps its gradient (as Megatron/verl replay)."""
     logits_SE = jnp.dot(x_SD.astype(jnp.float32), router_DE.astype(jnp.float32))
+    if replay_SK is not None:
+        idx_SK = replay_SK.astype(jnp.int32)
+        return logits_SE, idx_SK, jax.nn.sigmoid(jnp.take_along_axis(logits_SE, idx_SK, axis=1))
     top_SK, idx_SK = jax.lax.top_k(logits_SE, k)
     return logits_SE, idx_SK, jax.nn.sigmoid(top_SK)
 
@@ -157,7 +186,7 @@ def _mesh_axes(logical, mesh):
     return tuple(a for a in axes if a in mesh.axis_names and mesh.shape[a] > 1)
 
 
-def experts_sharded(x_SD, idx_SK, gate_SK, wg_EDF, wu_EDF, wo_EFD, dtype):
+def experts_sharded(x_SD, idx_SK, gate_SK, wg_EDF, wu_EDF, wo_EFD, dtype, on_indivisible="warn"):
     """`experts_ragged` per data shard inside shard_map, summed over the expert_mlp shards."""
     mesh = _context_mesh()
     fn = lambda *a: experts_ragged(*a, dtype)  # noqa: E731
@@ -170,7 +199,11 @@ def experts_sharded(x_SD, idx_SK, gate_SK, wg_EDF, wu_EDF, wo_EFD, dtype):
     n_tensor = 1
     for a in tensor_axes:
         n_tensor *= mesh.shape[a]
-    if (not batch_axes and not tensor_axes) or x_SD.shape[0] % n_batch or wg_EDF.shape[-1] % n_tensor:
+    if not batch_axes and not tensor_axes:
+        return fn(x_SD, idx_SK, gate_SK, wg_EDF, wu_EDF, wo_EFD)  # nothing to split
+    if x_SD.shape[0] % n_batch or wg_EDF.shape[-1] % n_tensor:
+        (E, D, F), S = wg_EDF.shape, x_SD.shape[0]
+        indivisible(on_indivisible, "dispatch (model.moe_impl='ragged')", S, E, F, D, mesh, dtype)
         return fn(x_SD, idx_SK, gate_SK, wg_EDF, wu_EDF, wo_EFD)  # leave it to the partitioner
     P = jax.sharding.PartitionSpec
     tok = P(batch_axes or None, None)
@@ -225,19 +258,47 @@ def ragged_all_to_all_padded(operand, out_rows, input_offsets, send_sizes, outpu
     return out.at[dst.reshape(-1)].add(got.reshape((-1,) + operand.shape[1:]), mode="drop")
 
 
-def _ragged_all_to_all(operand, out_rows, input_offsets, send_sizes, output_offsets, recv_sizes, axis_name):
+def ragged_exchange(operand, out_rows, input_offsets, send_sizes, output_offsets, recv_sizes, axis_name,
+                    peer_rows=None, collective=None):
+    """The TPU/GPU exchange: `jax.lax.ragged_all_to_all` into a zero buffer of `out_rows` rows.
+    `collective` replaces the collective (same signature): XLA:CPU cannot run it (jax 0.10.2:
+    "ragged-all-to-all is not supported by XLA:CPU"), so tests pass an emulation of its documented
+    semantics and run this path, argument plumbing included, on fake CPU devices."""
+    del peer_rows  # the ragged collective needs no per-peer bound
     out = jnp.zeros_like(operand, shape=(out_rows,) + operand.shape[1:])  # varying like the operand
-    return jax.lax.ragged_all_to_all(operand, out, input_offsets, send_sizes, output_offsets, recv_sizes,
-                                     axis_name=axis_name)
+    collective = collective or jax.lax.ragged_all_to_all
+    return collective(operand, out, input_offsets, send_sizes, output_offsets, recv_sizes, axis_name=axis_name)
 
 
 def exchange(operand, out_rows, input_offsets, send_sizes, output_offsets, recv_sizes, axis_name, peer_rows):
     """ragged_all_to_all where the backend has it (TPU, GPU), its padded stand-in on CPU; the
     choice is made when the program is lowered for its platform."""
     args = (operand, input_offsets, send_sizes, output_offsets, recv_sizes)
-    ragged = lambda o, *a: _ragged_all_to_all(o, out_rows, *a, axis_name)  # noqa: E731
+    ragged = lambda o, *a: ragged_exchange(o, out_rows, *a, axis_name)  # noqa: E731
     padded = lambda o, *a: ragged_all_to_all_padded(o, out_rows, *a, axis_name, peer_rows)  # noqa: E731
     return jax.lax.platform_dependent(*args, cpu=padded, default=ragged)
+
+
+def exchange_offsets(count_nE, me, L):
+    """The ragged_all_to_all arguments (input_offsets, send_sizes, output_offsets, recv_sizes) of
+    device `me`'s two exchanges, from every device's per-expert pair counts count_nE [n, E]
+    (E = n*L, device d holding experts d*L .. d*L+L-1; each device's pairs sorted by expert).
+
+    Out: slice e goes to device e // L; there its rows sit grouped by local expert, sources in
+    order within one (expert e's block starts after the same device's earlier experts).
+    Back: slice i*L + l (source i's rows of local expert l) returns to its place in i's buffer.
+    A pure function, so the offsets the TPU/GPU collective reads are tested on CPU
+    (tests/test_moe.py, against a numpy model of the collective's documented semantics)."""
+    n, E = count_nE.shape
+    total_E = count_nE.sum(0)
+    block_nL = _exclusive_cumsum(total_E).reshape(n, L)
+    block_E = (block_nL - block_nL[:, :1]).reshape(E)
+    dst_off_nE = block_E[None] + _exclusive_cumsum(count_nE, axis=0)  # source i's rows of e, there
+    src_off_nE = _exclusive_cumsum(count_nE, axis=1)  # the same rows in source i's sorted buffer
+    mine = lambda a_nE: jax.lax.dynamic_slice_in_dim(a_nE, me * L, L, axis=1).reshape(-1)  # noqa: E731
+    fwd = (src_off_nE[me], count_nE[me], dst_off_nE[me], mine(count_nE))
+    back = (mine(dst_off_nE), mine(count_nE), mine(src_off_nE), count_nE[me])
+    return fwd, back
 
 
 def experts_expert_parallel_local(x_SD, idx_SK, gate_SK, wg_LDF, wu_LDF, wo_LFD, *, dtype, axis_name, exchange_fn):
@@ -257,16 +318,8 @@ def experts_expert_parallel_local(x_SD, idx_SK, gate_SK, wg_LDF, wu_LDF, wo_LFD,
     # Everyone's counts (n*E ints): every device derives every offset, no second handshake.
     count_nE = jax.lax.all_gather(jnp.bincount(flat_e, length=E).astype(jnp.int32), axis_name)
     total_E = count_nE.sum(0)
-    # On an expert's device its rows sit grouped by local expert, sources in order within one:
-    # expert e's block starts after the earlier experts of the same device.
-    block_nL = _exclusive_cumsum(total_E).reshape(n, L)
-    block_E = (block_nL - block_nL[:, :1]).reshape(E)
-    dst_off_nE = block_E[None] + _exclusive_cumsum(count_nE, axis=0)  # source i's rows of e, there
-    src_off_nE = _exclusive_cumsum(count_nE, axis=1)  # the same rows in source i's sorted buffer
-    mine = lambda a_nE: jax.lax.dynamic_slice_in_dim(a_nE, me * L, L, axis=1).reshape(-1)  # noqa: E731
-    # Slice e of this device goes to device e // L; slice i*L + l received comes from device i.
-    recv_MD = exchange_fn(xs_ND, n * N, src_off_nE[me], count_nE[me], dst_off_nE[me], mine(count_nE),
-                          axis_name, N)
+    fwd, back = exchange_offsets(count_nE, me, L)
+    recv_MD = exchange_fn(xs_ND, n * N, *fwd, axis_name, N)
 
     group_sizes = jax.lax.dynamic_slice_in_dim(total_E, me * L, L)  # rows past their sum are padding
     g = jax.lax.ragged_dot(recv_MD, wg_LDF.astype(dtype), group_sizes)
@@ -275,19 +328,17 @@ def experts_expert_parallel_local(x_SD, idx_SK, gate_SK, wg_LDF, wu_LDF, wo_LFD,
     # bfloat16, and no [n*N, D] float32 slab); the k choices and tensor shards then add in float32.
     o_MD = jax.lax.ragged_dot(nn.silu(g) * u, wo_LFD.astype(dtype), group_sizes, preferred_element_type=dtype)
 
-    # The way back: slice i*L + l (source i's rows of local expert l) returns to where it came from.
-    back_ND = exchange_fn(o_MD, N, mine(dst_off_nE), mine(count_nE), mine(src_off_nE), count_nE[me],
-                          axis_name, N)
+    back_ND = exchange_fn(o_MD, N, *back, axis_name, N)  # each slice returns to where it came from
     inverse = jnp.zeros_like(order).at[order].set(jnp.arange(N, dtype=order.dtype))
     return back_ND[inverse].astype(jnp.float32).reshape(S, K, -1).sum(1)
 
 
 def experts_expert_parallel(x_SD, idx_SK, gate_SK, wg_EDF, wu_EDF, wo_EFD, dtype, exchange_fn=exchange,
-                            token_chunk=0):
+                            token_chunk=0, on_indivisible="warn"):
     """Expert parallelism inside shard_map: tokens split over the batch axes (which include
     `expert`), experts over `expert`, the expert hidden over `expert_mlp` (psum at the end).
-    Without a mesh, with an `expert` axis of 1, or with shapes the mesh does not divide, it is
-    `experts_sharded`.
+    Without a mesh or with an `expert` axis of 1 it is `experts_sharded`; with shapes the mesh does
+    not divide too, after `indivisible` (an error or a warning, `on_indivisible`).
 
     `token_chunk` > 0 exchanges a device's tokens in chunks of that many, one after another
     (`lax.map`, each chunk rematerialised): the same bytes travel, but the worst-case receive
@@ -296,7 +347,7 @@ def experts_expert_parallel(x_SD, idx_SK, gate_SK, wg_EDF, wu_EDF, wo_EFD, dtype
     mesh = _context_mesh()
     ep_axes = _mesh_axes("expert", mesh) if mesh is not None else ()
     if not ep_axes:
-        return experts_sharded(x_SD, idx_SK, gate_SK, wg_EDF, wu_EDF, wo_EFD, dtype)
+        return experts_sharded(x_SD, idx_SK, gate_SK, wg_EDF, wu_EDF, wo_EFD, dtype, on_indivisible)
     if len(ep_axes) != 1:
         raise ValueError(f"expert parallelism needs the logical axis 'expert' on one mesh axis, got {ep_axes}")
     (ep,) = ep_axes
@@ -305,7 +356,10 @@ def experts_expert_parallel(x_SD, idx_SK, gate_SK, wg_EDF, wu_EDF, wo_EFD, dtype
     n_tensor = math.prod(mesh.shape[a] for a in tensor_axes)
     if (ep not in batch_axes or x_SD.shape[0] % n_batch or wg_EDF.shape[0] % mesh.shape[ep]
             or wg_EDF.shape[-1] % n_tensor):
-        return experts_sharded(x_SD, idx_SK, gate_SK, wg_EDF, wu_EDF, wo_EFD, dtype)
+        (E, D, F), S = wg_EDF.shape, x_SD.shape[0]
+        indivisible(on_indivisible, "expert parallelism (model.moe_impl='expert_parallel')", S, E, F, D, mesh,
+                    dtype)
+        return experts_sharded(x_SD, idx_SK, gate_SK, wg_EDF, wu_EDF, wo_EFD, dtype, "warn")  # said once
     P = jax.sharding.PartitionSpec
     tok, t = P(batch_axes, None), tensor_axes or None
 
@@ -341,7 +395,8 @@ class MoeMlp(nn.Module):
     cfg: ModelConfig
 
     @nn.compact
-    def __call__(self, x_BTD):
+    def __call__(self, x_BTD, replay_BTK=None):
+        """replay_BTK: expert indices to use instead of the router's top-k (routing replay)."""
         cfg = self.cfg
         if cfg.moe_impl not in IMPLS:
             raise ValueError(f"model.moe_impl must be one of {IMPLS}, got {cfg.moe_impl!r}")
@@ -363,9 +418,15 @@ class MoeMlp(nn.Module):
 
         B, T, _ = x_BTD.shape
         x_SD = x_BTD.reshape(B * T, D)
-        logits_SE, idx_SK, gate_SK = route(x_SD, router, K)
-        impl = {"ragged": experts_sharded, "dense": experts_dense,
-                "expert_parallel": functools.partial(experts_expert_parallel, token_chunk=cfg.moe_token_chunk)}
+        replay_SK = None if replay_BTK is None else replay_BTK.reshape(B * T, K)
+        logits_SE, idx_SK, gate_SK = route(x_SD, router, K, replay_SK)
+        # The router's own choice, whatever was replayed: what a generator records, and what the
+        # trainer compares with the replayed routing (router/replay_disagreement).
+        self.sow("intermediates", "expert_idx", idx_SK if replay_SK is None else jax.lax.top_k(logits_SE, K)[1])
+        impl = {"ragged": functools.partial(experts_sharded, on_indivisible=cfg.moe_indivisible),
+                "dense": experts_dense,
+                "expert_parallel": functools.partial(experts_expert_parallel, token_chunk=cfg.moe_token_chunk,
+                                                     on_indivisible=cfg.moe_indivisible)}
         y_SD = impl[cfg.moe_impl](x_SD, idx_SK, gate_SK, wg, wu, wo, dtype)
 
         # Switch-style load balancing (f_e * P_e) and the per-expert load.
@@ -388,3 +449,26 @@ def router_metrics(intermediates):
     if not moe:
         return {}
     return {"router_aux_loss": jnp.mean(moe["router_aux_loss"][0]), "expert_load": moe["expert_load"][0]}
+
+
+def routing_of(intermediates, B, T):
+    """The routers' own choices of one forward pass, [B, T, n_layers, k] int32, from its sown
+    intermediates (scanned layers, or the unrolled decoding path's stack); None for a dense model."""
+    inter = intermediates.get("intermediates", intermediates)
+    if "expert_idx" in inter:  # unrolled (Decoder stacks the layers' choices itself)
+        idx_LSK = inter["expert_idx"][0]
+    else:
+        moe = inter.get("layers", {}).get("moe")
+        if not moe:
+            return None
+        idx_LSK = moe["expert_idx"][0]
+    L, _, K = idx_LSK.shape
+    return jnp.moveaxis(idx_LSK.reshape(L, B, T, K), 0, 2)
+
+
+def replay_disagreement(own_BTLK, replayed_BTLK, mask_BT):
+    """Share of (real token, layer) pairs where the router's own top-k set differs from the
+    replayed one (order within the k does not count)."""
+    differ = jnp.any(jnp.sort(own_BTLK, -1) != jnp.sort(replayed_BTLK, -1), axis=-1)  # [B, T, L]
+    w = mask_BT.astype(jnp.float32)[..., None]
+    return (differ * w).sum() / jnp.maximum(w.sum() * differ.shape[-1], 1.0)

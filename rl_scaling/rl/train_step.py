@@ -9,6 +9,18 @@ completion):
   loss_mask_NL   float32 1.0 on sampled completion tokens (forced/injected tokens: 0.0)
   old_logp_NL    float32 generator log-prob of each token (0 where not sampled)
   rewards_PG     float32 (replicated; the per-sample arrays are split over the data axes)
+  routing_NLlk   int32   (MoE, rl.routing_replay="r3") the generator's experts of each token in
+                 each layer (sampler record_routing), replayed by the trainer
+Routing replay (rl.routing_replay; MoE only), after verl/slime/ms-swift's R2 and R3 (NeMo-RL's and
+Megatron's router replay is R3): "r3" (rollout routing replay) takes each token's experts from
+the generator's record in every trainer forward, hence the backward differentiates the routing
+that sampled the token; "r2" (vanilla routing replay) takes them from the trainer's own forward
+with the pre-update params (one extra forward per microbatch), so the k updates of
+PPO-off-policy-k keep the old policy's routing; with rl.num_minibatches = 1 that is the trainer's
+own routing, nothing to replay. Either way the gates are the live router's sigmoids (the router
+still learns). Logged: router/replay_disagreement (share of real token-layers where the trainer's
+own top-k differs from the replayed or, without replay, the generator's recorded one) and
+router/logp_mismatch (mean |log pi_train - log pi_gen| on sampled tokens, first minibatch).
 Advantages are computed on the full batch; minibatches (PPO-off-policy-k: k updates per
 generated batch) of whole prompts run inside via lax.scan; the aggregation is turned into
 per-token weights, so microbatches (gradient accumulation) are exact.
@@ -69,9 +81,11 @@ def target_logprobs(logits_BTV, targets_BT, temperature=1.0):
     return jnp.take_along_axis(logp_all, targets_BT[..., None], axis=-1)[..., 0]
 
 
-def token_logprobs(params, model_cfg, tokens_BL, token_mask_BL, temperature=1.0, chunk=0, with_router=False):
+def token_logprobs(params, model_cfg, tokens_BL, token_mask_BL, temperature=1.0, chunk=0, with_router=False,
+                   routing_BLlk=None):
     """log pi(token_t | tokens_<t) for t >= 1, from float32 logits; shape [B, L-1].
     with_router=True also returns the MoE router's sown intermediates (see moe.py).
+    routing_BLlk: each token's experts per layer to replay (MoE routing replay), [B, L, n_layers, k].
 
     With chunk > 0 the LM head and log-softmax run over `chunk` positions at a time under
     jax.checkpoint, so [B, L, V] logits never exist at once (128k-200k vocabularies at
@@ -80,11 +94,13 @@ def token_logprobs(params, model_cfg, tokens_BL, token_mask_BL, temperature=1.0,
     inputs = (tokens_BL[:, :-1], positions[:, :-1], token_mask_BL[:, :-1])
     targets_BT = tokens_BL[:, 1:]
     decoder = model_lib.Decoder(model_cfg)
+    # the inputs' routing to replay: every column but the last
+    replay = {} if routing_BLlk is None else {"routing": routing_BLlk[:, :-1]}
 
     def apply(**kw):
         if not with_router:
-            return decoder.apply({"params": params}, *inputs, **kw), {}
-        return decoder.apply({"params": params}, *inputs, mutable="intermediates", **kw)
+            return decoder.apply({"params": params}, *inputs, **replay, **kw), {}
+        return decoder.apply({"params": params}, *inputs, mutable="intermediates", **replay, **kw)
 
     T = targets_BT.shape[1]
     if not chunk or T <= chunk:
@@ -153,33 +169,70 @@ def check_group_prompts(batch, group_size: int, prompt_len: int):
                              "must share its prompt (collect.rl_batch packs them so)")
 
 
-def router_terms(intermediates) -> dict:
+def router_terms(intermediates, mb=None, replay=None) -> dict:
     """Router statistics of one forward pass from the sown MoE intermediates ({} for a dense
     model): the Switch load-balancing loss E * sum_e f_e * P_e averaged over layers, the
-    largest per-layer expert load f_e, and the dropped fraction (0: dispatch is dropless)."""
+    largest per-layer expert load f_e, and the dropped fraction (0: dispatch is dropless); with
+    a replayed routing (or else the generator's, mb["routing"]) the share of real token-layers
+    where the trainer's own top-k differs from it."""
     m = moe_lib.router_metrics(intermediates)
     if not m:
         return {}
-    return {"router/aux_loss": m["router_aux_loss"], "router/expert_load_max": jnp.max(m["expert_load"]),
-            "router/dropped_frac": jnp.zeros((), jnp.float32)}
+    out = {"router/aux_loss": m["router_aux_loss"], "router/expert_load_max": jnp.max(m["expert_load"]),
+           "router/dropped_frac": jnp.zeros((), jnp.float32)}
+    ref = replay if replay is not None else (mb or {}).get("routing")
+    if ref is not None:
+        n, L = mb["tokens"].shape
+        own = jax.lax.stop_gradient(moe_lib.routing_of(intermediates, n, L - 1))
+        out["router/replay_disagreement"] = moe_lib.replay_disagreement(own, ref[:, :-1], mb["token_mask"][:, :-1])
+    return out
 
 
-def policy_loss(params, mb, *, model_cfg, rl_cfg, micro_frac=1.0, shared_prompt=None):
+REPLAY = ("off", "r2", "r3")
+
+
+def replay_mode(rl_cfg, model_cfg) -> str:
+    """rl.routing_replay for this model ("off" for a dense one); a ValueError names a bad value."""
+    mode = rl_cfg.get("routing_replay", "off") if hasattr(rl_cfg, "get") else getattr(rl_cfg, "routing_replay", "off")
+    if mode not in REPLAY:
+        raise ValueError(f"rl.routing_replay must be one of {REPLAY}, got {mode!r}")
+    return mode if model_cfg.num_experts else "off"
+
+
+def rl_batch_keys(rl_cfg, model_cfg) -> tuple:
+    """The batch arrays rl_step reads: the generator's routing too under r3."""
+    return RL_BATCH_KEYS + (("routing",) if replay_mode(rl_cfg, model_cfg) == "r3" else ())
+
+
+def own_routing(params, model_cfg, tokens_BL, token_mask_BL):
+    """The trainer's own experts per token and layer, [B, L, n_layers, k], with these params (r2's
+    record: a forward without the LM head and without gradient)."""
+    positions = model_lib.positions_from_mask(token_mask_BL)
+    _, inter = model_lib.Decoder(model_cfg).apply({"params": jax.lax.stop_gradient(params)}, tokens_BL, positions,
+                                                  token_mask_BL, return_hidden=True, mutable="intermediates")
+    return moe_lib.routing_of(inter, *tokens_BL.shape)
+
+
+def policy_loss(params, mb, *, model_cfg, rl_cfg, micro_frac=1.0, shared_prompt=None, replay=None):
     """sum(weight * per-token loss) over a microbatch of whole samples [n, L], plus
     model.router_aux_loss_coef x the router loss for a MoE policy. micro_frac is the
     microbatch's share of its minibatch: the per-token weights already sum to one over the
     minibatch, the router loss is a mean, so accumulated microbatches add up exactly.
-    shared_prompt=(G, P): each group's prompt runs once (shared_prompt_logprobs)."""
+    shared_prompt=(G, P): each group's prompt runs once (shared_prompt_logprobs).
+    replay [n, L, n_layers, k]: the routing to replay (routing_replay); mb["routing"], the
+    generator's, is compared with the trainer's own when given."""
     is_moe = bool(model_cfg.num_experts)
     if shared_prompt:
         logp, router = shared_prompt_logprobs(params, model_cfg, mb["tokens"], mb["token_mask"], *shared_prompt,
                                               rl_cfg.temperature), {}
     else:
         logp = token_logprobs(params, model_cfg, mb["tokens"], mb["token_mask"], rl_cfg.temperature,
-                              rl_cfg.logprob_chunk, with_router=is_moe)
-        logp, router = (logp[0], router_terms(logp[1])) if is_moe else (logp, {})
+                              rl_cfg.logprob_chunk, with_router=is_moe, routing_BLlk=replay)
+        logp, router = (logp[0], router_terms(logp[1], mb, replay)) if is_moe else (logp, {})
     mask = mb["loss_mask"][:, 1:]
     old_logp = mb["old_logp"][:, 1:]
+    if is_moe and not shared_prompt:
+        router["router/logp_mismatch"] = (jnp.abs(logp - old_logp) * mask).sum() / jnp.maximum(mask.sum(), 1.0)
     per_token = losses.LOSSES[rl_cfg.loss](logp, old_logp, mb["adv"], mask, **loss_hparams(rl_cfg))
     if rl_cfg.kl_coef:  # k3 estimator against the generator policy (off by default)
         per_token = per_token + rl_cfg.kl_coef * losses.kl_k3(logp, old_logp)
@@ -213,15 +266,30 @@ def rl_step(state, batch, *, model_cfg, rl_cfg, optimizer, mesh=None, prompt_len
     P, G = batch["rewards"].shape
     adv, keep = losses.advantages(batch["rewards"], norm=rl_cfg.adv_norm, zero_var_filter=rl_cfg.zero_var_filter)
     M, A = rl_cfg.num_minibatches, rl_cfg.grad_accum
+    replay = replay_mode(rl_cfg, model_cfg)
+    if replay == "r3" and "routing" not in batch:
+        raise ValueError("rl.routing_replay='r3' needs the generator's routing in the batch (batch['routing'], "
+                         "from the sampler's record_routing); the JetStream engine (rollout.mode='pipeline') does "
+                         "not record it yet: use rl.routing_replay='r2' or 'off' there")
+    old_params = state["params"]  # r2 replays the routing of the params the batch starts from
     # Per-sample arrays [N, L] (a prompt's G samples contiguous) -> minibatches of whole prompts.
-    data = {k: batch[k] for k in ("tokens", "token_mask", "loss_mask", "old_logp")}
+    data = {k: batch[k] for k in ("tokens", "token_mask", "loss_mask", "old_logp", "routing") if k in batch}
     data["adv"] = adv.reshape(P * G)
     data = jax.tree.map(lambda x: x.reshape((M, x.shape[0] // M) + x.shape[1:]), data)
     keep_M = keep.reshape(M, P // M)
     micro_rows = batch["tokens"].shape[0] // (M * A)
     shared = (G, prompt_len) if shares_prompts(model_cfg, rl_cfg, micro_rows, G, prompt_len, mesh) else None
-    grad_fn = jax.value_and_grad(functools.partial(policy_loss, model_cfg=model_cfg, rl_cfg=rl_cfg, micro_frac=1.0 / A,
-                                                   shared_prompt=shared), has_aux=True)
+    loss_fn = functools.partial(policy_loss, model_cfg=model_cfg, rl_cfg=rl_cfg, micro_frac=1.0 / A,
+                                shared_prompt=shared)
+
+    def grad_fn(params, mb):
+        if replay == "r3":
+            r = mb["routing"]
+        elif replay == "r2" and M > 1:  # with one minibatch the params are the old ones: own routing
+            r = own_routing(old_params, model_cfg, mb["tokens"], mb["token_mask"])
+        else:
+            r = None
+        return jax.value_and_grad(functools.partial(loss_fn, replay=r), has_aux=True)(params, mb)
 
     def grads_of(params, mb, keep_p):
         n, L = mb["tokens"].shape
@@ -249,6 +317,8 @@ def rl_step(state, batch, *, model_cfg, rl_cfg, optimizer, mesh=None, prompt_len
     (params, opt_state), stats = jax.lax.scan(update, (state["params"], state["opt_state"]), (data, keep_M))
     metrics = reduce_stats(stats)
     metrics["rho_abs_dev_first_mb"] = stats["rho_abs_dev"][0]  # generator/trainer mismatch, before any update
+    if "router/logp_mismatch" in stats:  # the same, as |log-prob difference|, before any update
+        metrics["router/logp_mismatch"] = stats["router/logp_mismatch"][0]
     metrics["keep_frac"] = keep.mean()
     metrics["reward_mean"] = batch["rewards"].mean()
     metrics["param_norm"] = optax.global_norm(params)  # non-finite params stop the run before a save

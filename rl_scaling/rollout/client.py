@@ -13,13 +13,20 @@ Failover: a replica whose RPC fails (its process died, its host is unreachable, 
 reports a failure) is marked dead with a logged warning; its groups in flight are re-dispatched
 to the live ones (rollout/failovers, rollout/redispatched_groups). A dead replica is probed
 every `probe_s`; when it answers again (restarted or back on the network) it gets the current
-weights and new groups (rollout/rejoins). With no replica left for `reconnect_s` the trainer
+weights and new groups (rollout/rejoins). Probes run on their own threads, off the trainer's
+step path: a replica that is stopped but still accepts connections costs the step its failover
+(one RPC timeout) once, never a probe's timeout on every poll. With no replica left for `reconnect_s` the trainer
 stops with a RolloutError naming every address; the last checkpoint is intact. A group is never
 lost (it stays outstanding until some replica returns it) and never trained twice (the
 pipeline drops results whose id it has already received).
 
 Errors that retrying cannot fix (a different config on the server, a wrong token, a request
-refused as malformed) raise at once.
+refused as malformed, a replica held by another trainer session) raise at once.
+
+Sessions: each backend is one trainer session (a random id sent with every Health, Submit,
+Fetch and PushWeights). A replica serves one session at a time (server.py): a second trainer
+pointed at a replica that another one holds is refused at connect with FAILED_PRECONDITION
+naming the holder; `close()` releases the replicas so a resumed trainer takes them at once.
 """
 
 from __future__ import annotations
@@ -36,11 +43,10 @@ import grpc
 import jax
 import numpy as np
 
-from rl_scaling.rollout import generator as generator_lib
 from rl_scaling.rollout import weights_dir as weights_dir_lib
 from rl_scaling.rollout.errors import RolloutError
-from rl_scaling.rollout.wire import (OPTIONS, RESULT_FIELDS, SERVICE, TOKEN_METADATA, cast_for_push,
-                                     check_push_dtype, pack, unpack, weight_chunks)
+from rl_scaling.rollout.wire import (OPTIONS, SERVICE, TOKEN_METADATA, BadRequest, cast_for_push, check_push_dtype,
+                                     pack, read_result, unpack, weight_chunks)
 
 log = logging.getLogger(__name__)
 
@@ -91,8 +97,10 @@ class RemoteBackend:
 
     def __init__(self, servers, *, expected: dict | None = None, reconnect_s: float = 10.0,
                  rpc_timeout_s: float = 10.0, token: str = "", weights_dir: str = "", probe_s: float = 0.5,
-                 push_dtype: str = "", fp32_lm_head: bool = True, tie_embeddings: bool = False):
+                 push_dtype: str = "", fp32_lm_head: bool = True, tie_embeddings: bool = False,
+                 routing: tuple | None = None):
         self.addresses = parse_servers(servers)
+        self.routing = routing  # (n_layers, k, num_experts): each group's routing_<id> is required and checked
         self.push_dtype = check_push_dtype(push_dtype)
         self._keep_f32 = {"fp32_lm_head": fp32_lm_head, "tie_embeddings": tie_embeddings}
         if not self.addresses:
@@ -105,6 +113,8 @@ class RemoteBackend:
         self._unassigned: collections.OrderedDict = collections.OrderedDict()  # groups waiting for a live replica
         self._latest = None  # (host params, version): what a rejoining replica gets
         self._pool = futures.ThreadPoolExecutor(max_workers=len(self.replicas))
+        self._probe_pool = futures.ThreadPoolExecutor(max_workers=len(self.replicas), thread_name_prefix="replica-probe")
+        self._probes: dict = {}  # address -> the Future of a probe in flight (_probe_in_background)
         self.counts = collections.Counter()
         self._all_dead_since = time.monotonic()
         deadline = time.monotonic() + reconnect_s
@@ -155,10 +165,11 @@ class RemoteBackend:
                 if e.code() == grpc.StatusCode.UNAUTHENTICATED else ""
             raise RolloutError(f"rollout server {r.address}: {name}: {e.code().name}: {e.details()}{hint}") from None
 
-    def _push_to(self, r: Replica):
-        if self._latest is None or self.weights_dir:
+    def _push_to(self, r: Replica, latest=None):
+        latest = latest or self._latest
+        if latest is None or self.weights_dir:
             return  # nothing yet, or the replica polls the directory
-        host, version = self._latest
+        host, version = latest
         nbytes = sum(np.asarray(x).nbytes for x in jax.tree.leaves(host))
         self._rpc(r, "PushWeights", weight_chunks(host, version), self.rpc_timeout_s + nbytes / 100e6,  # >= 100 MB/s
                   ((SESSION_METADATA, self.session),))
@@ -171,28 +182,61 @@ class RemoteBackend:
         for q in requests:
             r.outstanding[q.group_id] = q
 
-    def _probe(self, r: Replica) -> None:
-        """A dead (or not yet seen) replica: joins if it answers Health, healthy and with our config."""
-        r.next_probe = time.monotonic() + self.probe_s
-        try:
-            meta, _ = unpack(self._rpc(r, "Health", pack({}), 2.0))
-            if meta["error"]:
-                raise ReplicaDown(f"reports a failure: {meta['error'].splitlines()[0]}")
-            if self.expected is not None and meta["fingerprint"] != json.loads(json.dumps(self.expected)):
-                raise RolloutError(f"rollout server {r.address} runs a different config: server {meta['fingerprint']} "
-                                   f"vs trainer {self.expected}")
-            back = r.instance is not None
-            r.instance, r.devices, r.ack, r.stats = meta["instance"], int(meta["devices"]), [], meta["stats"]
-            self._push_to(r)
-        except ReplicaDown as e:
-            r.last_error = str(e)
+    def _health(self, r: Replica):
+        """A dead (or not yet seen) replica's probe: (its Health reply, the version pushed to it). Raises
+        ReplicaDown (still dead) or RolloutError (another config, a wrong token, another session). Touches
+        no backend state, so it may run on a probe thread."""
+        meta, _ = unpack(self._rpc(r, "Health", pack({"session": self.session}), 2.0))
+        if meta["error"]:
+            raise ReplicaDown(f"reports a failure: {meta['error'].splitlines()[0]}")
+        if self.expected is not None and meta["fingerprint"] != json.loads(json.dumps(self.expected)):
+            raise RolloutError(f"rollout server {r.address} runs a different config: server {meta['fingerprint']} "
+                               f"vs trainer {self.expected}")
+        latest = self._latest
+        self._push_to(r, latest)
+        return meta, None if latest is None else latest[1]
+
+    def _joined(self, r: Replica, meta: dict, pushed) -> None:
+        """A probe answered: the replica is live again, unless the weights moved on meanwhile."""
+        if not self.weights_dir and self._latest is not None and pushed != self._latest[1]:
+            r.next_probe = 0.0  # pushed an older version while the trainer stepped: probe and push again
             return
+        back = r.instance is not None
+        r.instance, r.devices, r.ack, r.stats = meta["instance"], int(meta["devices"]), [], meta["stats"]
         r.live, r.last_error = True, ""
         self._all_dead_since = None
         if back:
             self.counts["rejoins"] += 1
             log.warning("rollout server %s is back (instance %s): it has the current weights and takes new groups",
                         r.address, r.instance[:8])
+
+    def _probe(self, r: Replica) -> None:
+        """Probe a dead (or not yet seen) replica now, in this thread (at connect)."""
+        r.next_probe = time.monotonic() + self.probe_s
+        try:
+            meta, pushed = self._health(r)
+        except ReplicaDown as e:
+            r.last_error = str(e)
+            return
+        self._joined(r, meta, pushed)
+
+    def _probe_in_background(self, now: float) -> None:
+        """Start a probe of each dead replica that is due, and take in those that finished."""
+        for r in self.replicas:
+            f = self._probes.get(r.address)
+            if f is not None and f.done():
+                del self._probes[r.address]
+                self.counts["probes"] += 1
+                try:
+                    meta, pushed = f.result()  # a RolloutError raises here, in the trainer's thread
+                except ReplicaDown as e:
+                    r.last_error = str(e)
+                else:
+                    if not r.live:
+                        self._joined(r, meta, pushed)
+            elif f is None and not r.live and now >= r.next_probe:
+                r.next_probe = now + self.probe_s  # the next one: probe_s after this one started, or later
+                self._probes[r.address] = self._probe_pool.submit(self._health, r)
 
     def _fail(self, r: Replica, error: str) -> None:
         r.live, r.last_error = False, error
@@ -227,10 +271,7 @@ class RemoteBackend:
                 del self._unassigned[q.group_id]
 
     def _maintain(self) -> None:
-        now = time.monotonic()
-        for r in self.replicas:
-            if not r.live and now >= r.next_probe:
-                self._probe(r)
+        self._probe_in_background(time.monotonic())
         self._dispatch()
         if self._all_dead_since is not None and time.monotonic() - self._all_dead_since > self.reconnect_s:
             plural = "s" if len(self.replicas) > 1 else ""
@@ -255,7 +296,8 @@ class RemoteBackend:
         out = []
         for r in live:
             try:
-                reply = self._rpc(r, "Fetch", pack({"ack": r.ack, "timeout": per}), per + self.rpc_timeout_s)
+                reply = self._rpc(r, "Fetch", pack({"session": self.session, "ack": r.ack, "timeout": per}),
+                                  per + self.rpc_timeout_s)
                 meta, arrays = unpack(reply)
                 if meta["instance"] != r.instance:
                     raise ReplicaDown(f"restarted (instance {meta['instance'][:8]}): its groups are gone")
@@ -269,7 +311,10 @@ class RemoteBackend:
                 gid = g["id"]
                 r.ack.append(gid)
                 r.outstanding.pop(gid, None)
-                out.append(generator_lib.GroupResult(gid, *(arrays[f"{n}_{gid}"] for n in RESULT_FIELDS)))
+                try:
+                    out.append(read_result(gid, arrays, self.routing))
+                except BadRequest as e:  # BadRouting included: never reaches the trainer
+                    raise RolloutError(f"rollout server {r.address}: Fetch: group {gid}: {e}") from e
         self._dispatch()
         return out
 
@@ -305,11 +350,28 @@ class RemoteBackend:
         out["stalled_s"] = min(s.get("stalled_s", 0.0) for s in live)  # stuck only if every replica is
         return out
 
+    def waiting(self) -> str:
+        """What the trainer waits on, replica by replica (logged while it waits)."""
+        parts = []
+        for r in self.replicas:
+            state = "live" if r.live else f"down ({r.last_error or 'not seen yet'}; probed every {self.probe_s:g} s)"
+            parts.append(f"{r.address} {state}, {len(r.outstanding)} groups in flight")
+        if self._unassigned:
+            parts.append(f"{len(self._unassigned)} groups waiting for a live replica")
+        return "; ".join(parts)
+
     def metrics(self) -> dict:
         return {"rollout/replicas_live": float(sum(r.live for r in self.replicas)),
                 **{f"rollout/{k}": float(self.counts[k]) for k in ("failovers", "redispatched_groups", "rejoins")}}
 
     def close(self):
         self._pool.shutdown(wait=False)
+        self._probe_pool.shutdown(wait=False, cancel_futures=True)
         for r in self.replicas:
+            if r.live:  # hand the replica back: a resumed trainer (a new session) takes it at once
+                try:
+                    r.rpc["Health"](pack({"session": self.session, "release": True}), timeout=2.0,
+                                    metadata=self._metadata)
+                except grpc.RpcError as e:
+                    log.info("rollout server %s: release: %s", r.address, e.code().name)
             r.channel.close()

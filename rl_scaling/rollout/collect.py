@@ -13,9 +13,10 @@ from rl_scaling.rollout import sampler
 
 
 def generate(params, gen_cfg, task, problems, samples_per_prompt, rng, *, max_prompt_len, max_new_tokens,
-             temperature, interrupt=None, cache_segments=sampler.CACHE_SEGMENTS):
+             temperature, interrupt=None, cache_segments=sampler.CACHE_SEGMENTS, record_routing=False):
     """Sample `samples_per_prompt` completions for each problem; returns host arrays [P*G, ...].
-    Each prompt is prefilled once and its KV cache shared by its G samples."""
+    Each prompt is prefilled once and its KV cache shared by its G samples. record_routing: the
+    experts of every token too (MoE routing replay, out.routing_BSLK)."""
     tok, G = task.tokenizer, samples_per_prompt
     group_tokens, group_mask = data.encode_prompts(tok, [p.prompt for p in problems], max_prompt_len)
     prompt_tokens, prompt_mask = np.repeat(group_tokens, G, 0), np.repeat(group_mask, G, 0)
@@ -33,7 +34,8 @@ def generate(params, gen_cfg, task, problems, samples_per_prompt, rng, *, max_pr
     with sharding.tracing_mesh(mesh):
         out = sampler.sample(params, dev_tokens, dev_mask, dev_rng, cfg=gen_cfg, max_new_tokens=max_new_tokens,
                              temperature=temperature, stop_tokens=(tok.eos_id,), pad_id=tok.pad_id,
-                             group_size=group, cache_segments=cache_segments, **kwargs)
+                             group_size=group, cache_segments=cache_segments, record_routing=record_routing,
+                             **kwargs)
     out = distributed.to_host(out)
     responses = [tok.decode(row[:n]) for row, n in zip(out.tokens_BT, out.lengths_B)]
     rewards = np.array([task.reward(r, problems[i // G]) for i, r in enumerate(responses)], np.float32)
@@ -52,13 +54,16 @@ def rl_batch(prompt_tokens, prompt_mask, out, rewards, P, G):
     pad = np.zeros_like(prompt_mask, np.float32)
     loss_mask = np.concatenate([pad, (completion_mask & ~out.forced_BT).astype(np.float32)], axis=1)
     old_logp = np.concatenate([pad, np.where(completion_mask, out.logprobs_BT, 0.0)], axis=1).astype(np.float32)
-    return {
+    batch = {
         "tokens": tokens,
         "token_mask": token_mask,
         "loss_mask": loss_mask,
         "old_logp": old_logp,
         "rewards": rewards.reshape(P, G),
     }
+    if out.routing_BSLK is not None and np.size(out.routing_BSLK):  # the generator's experts, for routing replay
+        batch["routing"] = np.asarray(out.routing_BSLK, np.int32)
+    return batch
 
 
 class StepRollouts(NamedTuple):
@@ -108,7 +113,7 @@ def sync_rollouts(params, gen_cfg, task, stream, P, G, rng, *, length, dynamic_r
     def take(i):
         return np.concatenate([np.asarray(x[i]) for x in rounds])[rows]
 
-    out = sampler.Samples(*(np.concatenate([np.asarray(x[2][f]) for x in rounds])[rows]
+    out = sampler.Samples(*(None if rounds[0][2][f] is None else np.concatenate([np.asarray(x[2][f]) for x in rounds])[rows]
                             for f in range(len(sampler.Samples._fields))))
     problems = [rounds[r][5][p] for r, p in chosen]
     metrics = {}

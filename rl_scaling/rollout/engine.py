@@ -11,7 +11,19 @@ comes from one forward pass with one set of weights, and its log-prob (float32
 logits, after temperature) and the version of those weights are exact.
 `ResultTokens.data` has one row per slot and the columns
   token | valid | length | logprob (float32 bits) | policy version | done (1 length, 2 stop) | forced
+  [| the fed token's experts, n_layers x k, with record_routing]
 (the stock orchestrator reads only the first three; the rest ride along).
+
+Routing (MoE routing replay, rl.routing_replay="r3"; `record_routing=True`): prefill returns the
+experts of the prompt tokens it feeds (`prefix["routing"]`, [max_prefill_length, n_layers, k]) and
+each generate step those of the token it feeds (the prompt's last token, then each sampled token
+in turn), so the generator (generator.py) can give every token's experts per layer in the sync
+sampler's layout (sampler.Samples.routing_BSLK).
+
+Layout: `generator_mesh` and `generator_layout` are the one definition of where the generator's
+weights and KV cache live: the mesh `config.tpu.gen_mesh` asks for over the engine's devices, and
+the shardings of its split params, cache and per-slot rows on it. The engine (in process,
+`launch/serve.py`, every replica) and `rl_scaling/dry_run.py` both call them.
 
 Forced interruption (ScaleRL's length control, as rollout/sampler.py does it): with
 `interrupt=Interrupt(phrase, lo, hi, answer_budget, think_end_id)`, `insert` draws each
@@ -41,6 +53,7 @@ from flax import linen as nn
 
 from rl_scaling import sharding
 from rl_scaling.policy import model as model_lib
+from rl_scaling.policy import moe
 from rl_scaling.rollout import sampler
 from rl_scaling.rollout.jetstream_compat import engine_api, tokenizer_api, tokenizer_pb2
 
@@ -119,6 +132,66 @@ def split_param_shardings(cfg: model_lib.ModelConfig, mesh):
     return {**stacked, "layers": (layer,) * cfg.n_layers}
 
 
+GEN_MESH_FIELD = "config.tpu.gen_mesh"
+
+
+def generator_mesh(gen_mesh, devices) -> jax.sharding.Mesh:
+    """One engine's mesh over `devices`, as config.tpu.gen_mesh lays out a generator replica: its
+    fsdp, tensor and expert sizes as given, `data` the replicas these devices hold (gen_mesh's
+    `data` counts the replicas over the whole generator slice, as the dry run compiles it; one
+    `launch/serve.py` on one replica's chips gets data=1). A ValueError names the field when the
+    devices do not fit the layout."""
+    shape = {a: int(dict(gen_mesh).get(a, 1)) for a in sharding.MESH_AXES}
+    others = [shape[a] for a in sharding.MESH_AXES if a != "data"]
+    shape["data"] = 1 if -1 in others else -1
+    devices = list(devices)
+    try:
+        return sharding.make_mesh(shape, devices)
+    except ValueError as e:
+        per_replica = {a: v for a, v in shape.items() if a != "data"}
+        raise ValueError(f"{GEN_MESH_FIELD}={dict(gen_mesh)}: a generator replica is {per_replica}, which "
+                         f"{len(devices)} engine device(s) cannot hold ({e}); give the engine a multiple of that many "
+                         "devices (rollout.engine_devices, or launch/serve.py --num_devices) or change "
+                         f"{GEN_MESH_FIELD}") from None
+
+
+class GenLayout(NamedTuple):
+    """Where a generator's arrays live on its mesh (`generator_layout`)."""
+
+    mesh: jax.sharding.Mesh
+    params: dict  # the stacked params as pushed (init_params' tree)
+    split_params: dict  # model_lib.split_layers(params), the tree the decode step reads
+    cache: dict  # model_lib.init_cache's tree
+    rows: jax.sharding.NamedSharding  # one entry per slot (or prompt): over the data axes
+    replicated: jax.sharding.NamedSharding
+
+    def describe(self) -> str:
+        """One line: the mesh, which axes split the weights and the cache, what a decode step gathers."""
+        shape = dict(self.mesh.shape)
+
+        def axes(tree):
+            used = set()
+            for s in jax.tree.leaves(tree, is_leaf=lambda x: isinstance(x, jax.sharding.NamedSharding)):
+                for entry in s.spec:
+                    used.update(entry if isinstance(entry, tuple) else (entry,) if entry else ())
+            return [a for a in sharding.MESH_AXES if a in used and shape[a] > 1]
+
+        w = axes(self.split_params)
+        gathered = [a for a in w if a in ("fsdp", "expert")]  # the batch is split over them too
+        moves = (f"every decode step gathers weights over {'/'.join(gathered)}" if gathered
+                 else "no weight moves while decoding")
+        return (f"mesh {shape} on {self.mesh.devices.size} devices; weights split over "
+                f"{'/'.join(w) or 'nothing (replicated)'} ({moves}); KV cache split over "
+                f"{'/'.join(axes(self.cache)) or 'nothing (replicated)'}")
+
+
+def generator_layout(cfg: model_lib.ModelConfig, mesh) -> GenLayout:
+    """The shardings the engine holds its weights, KV cache and slot rows in on `mesh`, and the
+    ones the dry run compiles generation with (one definition for both)."""
+    return GenLayout(mesh, param_shardings(cfg, mesh), split_param_shardings(cfg, mesh), cache_shardings(cfg, mesh),
+                     sharding.batch_sharding(mesh, 1), sharding.replicated(mesh))
+
+
 class _CharTokenizer(tokenizer_api.Tokenizer):
     """JetStream's tokenizer interface over the project's tokenizers (for the stock Driver)."""
 
@@ -153,52 +226,68 @@ class Interrupt(NamedTuple):
 class PolicyEngine(engine_api.Engine):
     def __init__(self, cfg: model_lib.ModelConfig, mesh, *, slots: int, max_prefill_length: int,
                  max_new_tokens: int, temperature: float = 1.0, stop_tokens=(), pad_id: int = 0,
-                 seed: int = 0, tokenizer=None, interrupt: Interrupt | None = None):
+                 seed: int = 0, tokenizer=None, interrupt: Interrupt | None = None, record_routing: bool = False):
         self.cfg, self._mesh, self.slots = cfg, mesh, int(slots)
+        # MoE routing replay: each fed token's experts per layer ride along (prefix["routing"], extra columns)
+        self.record_routing = bool(record_routing and cfg.num_experts)
         self._max_prefill_length, self.max_new_tokens = int(max_prefill_length), int(max_new_tokens)
         self.cache_length = self._max_prefill_length + self.max_new_tokens
         self.temperature, self.pad_id, self.seed = float(temperature), int(pad_id), int(seed)
         self.stop_tokens = tuple(int(t) for t in stop_tokens)
         self.tokenizer = tokenizer
         self.interrupt = Interrupt(tuple(int(t) for t in interrupt.phrase), *map(int, interrupt[1:])) if interrupt else None
-        self.param_shardings = param_shardings(cfg, mesh)
-        row = sharding.logical_sharding(mesh, ("batch",))
-        self.state_shardings = {"cache": cache_shardings(cfg, mesh), "step": sharding.replicated(mesh),
+        self.layout = generator_layout(cfg, mesh)
+        self.param_shardings = self.layout.params
+        row = self.layout.rows
+        self.state_shardings = {"cache": self.layout.cache, "step": self.layout.replicated,
                                 **{k: row for k in ("token", "pos_next", "active", "length", "budget", "think_ended",
                                                     "forced_left", "answer_left")}}
         # Engines with the same static settings share compiled functions (bench and tests
         # build several; a weight push never compiles anything).
         key = (cfg, mesh, self.slots, self._max_prefill_length, self.max_new_tokens, self.temperature, self.stop_tokens,
-               self.interrupt)
+               self.interrupt, self.record_routing)
         if key not in _JITTED:
-            rep = sharding.replicated(mesh)
+            rep = self.layout.replicated
             _JITTED[key] = (jax.jit(self._prefill_impl, out_shardings=rep),
                             jax.jit(self._insert_impl, out_shardings=self.state_shardings, donate_argnums=1),
                             jax.jit(self._generate_impl, out_shardings=(self.state_shardings, rep), donate_argnums=1),
                             # the engine keeps its weights split per layer, so a decode step never
                             # copies a layer's weights out of the stacks (model_lib.split_layers)
-                            jax.jit(model_lib.split_layers, out_shardings=split_param_shardings(cfg, mesh)))
+                            jax.jit(model_lib.split_layers, out_shardings=self.layout.split_params))
         self._prefill_fn, self._insert_fn, self._generate_fn, self._copy_fn = _JITTED[key]
 
     # ---- jitted bodies -------------------------------------------------------------
-    def _apply(self, params, *args):
+    @property
+    def routing_shape(self) -> tuple | None:
+        """(n_layers, k) of each token's recorded experts, or None when the engine records none."""
+        return (self.cfg.n_layers, self.cfg.num_experts_per_tok) if self.record_routing else None
+
+    def _apply(self, params, tokens_BT, *args):
+        """(logits, cache, routing [B, T, n_layers, k] int32 or None)."""
         with sharding.tracing_mesh(self._mesh):  # activation constraints and the MoE shard_map read it
-            return model_lib.Decoder(self.cfg).apply({"params": params}, *args)
+            decoder = model_lib.Decoder(self.cfg)
+            if not self.record_routing:
+                return (*decoder.apply({"params": params}, tokens_BT, *args), None)
+            (logits, cache), inter = decoder.apply({"params": params}, tokens_BT, *args, mutable="intermediates")
+            return logits, cache, moe.routing_of(inter, *tokens_BT.shape).astype(jnp.int32)
 
     def _prefill_impl(self, params, tokens_1P, true_length):
         P = tokens_1P.shape[1]
         n = true_length - 1  # the last prompt token is fed by the first generate step
         mask_1P = (jnp.arange(P) < n)[None]
         cache = model_lib.init_cache(self.cfg, 1, self.cache_length)
-        _, cache = self._apply(params, tokens_1P, jnp.arange(P)[None], mask_1P, cache)
+        _, cache, routing_1PLK = self._apply(params, tokens_1P, jnp.arange(P)[None], mask_1P, cache)
         cache["index"] = jnp.full((1,), n, jnp.int32)
-        return {"cache": cache, "token": tokens_1P[0, n], "pos_next": n.astype(jnp.int32)}
+        prefix = {"cache": cache, "token": tokens_1P[0, n], "pos_next": n.astype(jnp.int32)}
+        if routing_1PLK is not None:  # the experts of prompt tokens 0..n-1 (the rest: padding)
+            prefix["routing"] = routing_1PLK[0]
+        return prefix
 
     def _insert_impl(self, prefix, state, slot, seed):
         def put(dst, src, axis):
             return jax.lax.dynamic_update_slice_in_dim(dst, src.astype(dst.dtype), slot, axis)
 
-        c, p = state["cache"], prefix["cache"]
+        c, p = state["cache"], prefix["cache"]  # (prefix["routing"] stays with the prefix: the generator reads it)
         cache = {"k": tuple(put(a, b, 0) for a, b in zip(c["k"], p["k"])),
                  "v": tuple(put(a, b, 0) for a, b in zip(c["v"], p["v"])), "valid": put(c["valid"], p["valid"], 0),
                  "pos": put(c["pos"], p["pos"], 0), "index": put(c["index"], p["index"], 0)}
@@ -216,8 +305,8 @@ class PolicyEngine(engine_api.Engine):
 
     def _generate_impl(self, params, state, version, seed):
         active_S = state["active"]
-        logits_S1V, cache = self._apply(params, state["token"][:, None], state["pos_next"][:, None],
-                                        active_S[:, None], state["cache"])
+        logits_S1V, cache, routing_S1LK = self._apply(params, state["token"][:, None], state["pos_next"][:, None],
+                                                      active_S[:, None], state["cache"])
         scaled_SV = logits_S1V[:, 0].astype(jnp.float32) / self.temperature
         key = jax.random.fold_in(jax.random.key(seed), state["step"])
         token_S = sampler.categorical(key, scaled_SV)
@@ -250,6 +339,8 @@ class PolicyEngine(engine_api.Engine):
                           jnp.broadcast_to(version, token_S.shape).astype(jnp.int32),
                           done_S.astype(jnp.int32) * (1 + (stopped_S & active_S).astype(jnp.int32)),
                           (forcing_S & active_S).astype(jnp.int32)], axis=1)
+        if routing_S1LK is not None:  # the fed token's experts, n_layers x k more columns
+            data = jnp.concatenate([data, routing_S1LK.reshape(routing_S1LK.shape[0], -1)], axis=1)
         new_state = {"cache": cache, "token": jnp.where(active_S, token_S, state["token"]),
                      "pos_next": state["pos_next"] + active_S.astype(jnp.int32), "active": active_S & ~done_S,
                      "length": length_S, "step": state["step"] + 1, "budget": state["budget"],
@@ -331,10 +422,13 @@ class PolicyEngine(engine_api.Engine):
                 "generate": self._generate_fn._cache_size(), "weight_copy": self._copy_fn._cache_size()}
 
 
-def unpack(data):
-    """Host view of ResultTokens.data: dict of per-slot columns (logprob as float32)."""
+def unpack(data, routing_shape: tuple | None = None):
+    """Host view of ResultTokens.data: dict of per-slot columns (logprob as float32); with
+    routing_shape=(n_layers, k) also "routing", the fed token's experts [slots, n_layers, k]."""
     data = np.asarray(data)
     out = {name: data[:, i] for i, name in enumerate(COLUMNS)}
+    if routing_shape is not None:
+        out["routing"] = data[:, len(COLUMNS):].reshape((data.shape[0],) + tuple(routing_shape))
     out["logprob"] = np.ascontiguousarray(out["logprob"]).view(np.float32)
     out["stopped"] = out["done"] == 2  # done: 0 running, 1 out of budget ("length"), 2 stopped ("stop")
     for name in ("valid", "done", "forced"):

@@ -9,6 +9,14 @@ and runs four threads per engine that contend for the GIL with the trainer on sm
 hosts. `Generator` is one thread calling the same Engine API (prefill once per prompt
 group, insert it into G slots, generate), returns whole groups with their log-probs and
 versions, and stores any exception for the trainer to raise.
+
+Routing (an engine with record_routing, for MoE routing replay r3): `GroupResult.routing` holds
+each sample's experts per layer for every token of prompt + completion, [G, len(prompt) + T,
+n_layers, k] int32: the prompt's tokens but the last from the group's prefill, the prompt's last
+token and each generated token from the generate step that fed it. The last generated token is
+never fed (its column, and those after the end, are 0): the trainer never replays it (it predicts
+nothing that is trained on). Column for column the sync sampler's layout (Samples.routing_BSLK),
+without the left padding.
 """
 
 from __future__ import annotations
@@ -50,6 +58,7 @@ class GroupResult:
     lengths: np.ndarray  # [G] generated tokens, stop token included
     stopped: np.ndarray  # [G] True: ended on a stop token (or its answer budget); False: ran out ("length")
     forced: np.ndarray  # [G, T] True where a token was injected (forced interruption), not sampled
+    routing: np.ndarray | None = None  # [G, len(prompt) + T, n_layers, k] int32 experts (record_routing), else None
 
     @property
     def interrupted(self) -> np.ndarray:  # [G] the thinking budget was hit and the phrase injected
@@ -69,7 +78,7 @@ class GroupResult:
 
 
 class _Group:
-    def __init__(self, req: GroupRequest, T: int, pad_id: int):
+    def __init__(self, req: GroupRequest, T: int, pad_id: int, routing_shape=None, prefix_routing=None):
         G = req.num_samples
         self.req, self.done = req, 0
         self.tokens = np.full((G, T), pad_id, np.int32)
@@ -78,10 +87,15 @@ class _Group:
         self.lengths = np.zeros((G,), np.int32)
         self.stopped = np.zeros((G,), bool)
         self.forced = np.zeros((G, T), bool)
+        self.routing = None
+        if routing_shape is not None:
+            n = len(req.prompt)
+            self.routing = np.zeros((G, n + T) + tuple(routing_shape), np.int32)
+            self.routing[:, : n - 1] = prefix_routing[: n - 1]  # the prompt's tokens the prefill fed
 
     def result(self) -> GroupResult:
         return GroupResult(self.req.group_id, self.req.prompt, self.tokens, self.logprobs, self.versions,
-                           self.lengths, self.stopped, self.forced)
+                           self.lengths, self.stopped, self.forced, self.routing)
 
 
 class Generator:
@@ -183,6 +197,9 @@ class Generator:
         lp_h = np.zeros((S, T), np.float32)
         ver_h = np.full((S, T), -1, np.int32)
         forced_h = np.zeros((S, T), bool)
+        routing_shape = getattr(eng, "routing_shape", None)  # (n_layers, k) with record_routing
+        if routing_shape is not None:  # each generate step's fed token, by the slot's step index
+            rt_h = np.zeros((S, T) + tuple(routing_shape), np.int32)
         current = None  # [_Group, prefix, next sample index]
         while not self._stop.is_set():
             t0 = time.perf_counter()
@@ -198,7 +215,8 @@ class Generator:
                     padded = np.full((Pb,), eng.pad_id, np.int32)
                     padded[: len(prompt)] = prompt
                     prefix = eng.prefill(params=self.holder, padded_tokens=padded, true_length=len(prompt))
-                    current = [_Group(req, T, eng.pad_id), prefix, 0]
+                    prefix_routing = None if routing_shape is None else np.asarray(prefix["routing"])
+                    current = [_Group(req, T, eng.pad_id, routing_shape, prefix_routing), prefix, 0]
                 slot = free.pop()
                 state = eng.insert(current[1], state, slot)
                 owner[slot] = (current[0], current[2])
@@ -213,13 +231,15 @@ class Generator:
                 self.idle_s += time.perf_counter() - t0
                 continue
             state, result = eng.generate(self.holder, state)
-            cols = unpack(result.data)
+            cols = unpack(result.data, routing_shape)
             valid = np.nonzero(cols["valid"])[0]
             pos = cols["length"][valid] - 1
             tok_h[valid, pos] = cols["token"][valid]
             lp_h[valid, pos] = cols["logprob"][valid]
             ver_h[valid, pos] = cols["version"][valid]
             forced_h[valid, pos] = cols["forced"][valid]
+            if routing_shape is not None:  # step `pos` of a slot fed the token before its `pos`-th
+                rt_h[valid, pos] = cols["routing"][valid]
             for s in valid:
                 group, j = owner[s]
                 if group.req.stream is not None:
@@ -229,6 +249,10 @@ class Generator:
                 n = int(cols["length"][s])
                 group.tokens[j], group.logprobs[j], group.versions[j] = tok_h[s], lp_h[s], ver_h[s]
                 group.forced[j] = forced_h[s]
+                if routing_shape is not None:
+                    p = len(group.req.prompt)
+                    group.routing[j, p - 1: p - 1 + n] = rt_h[s, :n]
+                    rt_h[s] = 0
                 group.lengths[j] = n
                 group.stopped[j] = cols["stopped"][s]
                 tok_h[s], lp_h[s], ver_h[s], forced_h[s] = eng.pad_id, 0.0, -1, False

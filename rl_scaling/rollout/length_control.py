@@ -10,7 +10,7 @@ config.rollout.length_control:
                after the last </think> as usual. (Paper: budget U[10k, 12k], answer 2k,
                "Okay, time is up. Let me stop thinking and formulate a final answer now. </think>".)
   "overlong"   DAPO's soft overlong punishment, added to the reward of correct samples
-               (as PAPER.md reads the ScaleRL paper; DAPO itself adds it to every sample):
+               (as docs/paper.md reads the ScaleRL paper; DAPO itself adds it to every sample):
                clip((L_max - len) / L_cache - 1, -1, 0), L_max = rl.overlong_max_len
                (0: rollout.max_new_tokens), L_cache = rl.overlong_cache; len = generated tokens.
 """

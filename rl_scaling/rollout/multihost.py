@@ -54,14 +54,14 @@ _ARRAYS = ("prompt_tokens", "prompt_mask", "rewards", "sample_ids", "v_first", "
 
 def encode(data: StepData, resume: dict | None) -> bytes:
     arrays = {k: np.asarray(getattr(data, k)) for k in _ARRAYS}
-    arrays.update({f"out_{k}": np.asarray(v) for k, v in data.out._asdict().items()})
+    arrays.update({f"out_{k}": np.asarray(v) for k, v in data.out._asdict().items() if v is not None})
     dropped = [np.asarray(x).tolist() for x in data.dropped]
     return wire.pack({"metrics": data.metrics, "dropped": dropped, "resume": resume}, arrays)
 
 
 def decode(blob: bytes):
     meta, a = wire.unpack(blob)
-    out = sampler.Samples(**{k: a[f"out_{k}"] for k in sampler.Samples._fields})
+    out = sampler.Samples(**{k: a.get(f"out_{k}") for k in sampler.Samples._fields})  # routing: optional
     dropped = tuple(np.asarray(x, np.int64) for x in meta["dropped"]) if meta["dropped"][0] else ((), ())
     data = StepData(a["prompt_tokens"], a["prompt_mask"], out, a["rewards"], meta["metrics"], a["sample_ids"],
                     a["v_first"], a["v_last"], a["staleness"], dropped)

@@ -30,11 +30,22 @@ rollout.servers; failover between them). With several trainer processes (jax.dis
 process 0 drives the pipeline and every other process gets each batch from it
 (multihost.BroadcastPipeline): all see the same global batch and feed their own rows.
 
-Faults: every wait polls the backend's health at least every 0.1 s; a dead generator
+Faults: a trainer that waits logs what it waits for every `wait_log_s` (30 s): the groups it
+needs, those outstanding, and the backend's account of them (each replica's state and groups in
+flight). Every wait polls the backend's health at least every 0.1 s; a dead generator
 thread, engine or server raises `RolloutError` naming it (a remote backend first tries
 to reconnect for rollout.reconnect_s); a generator alive but stuck for `stall_s` raises
 too. `close()` stops the threads; it also runs at interpreter exit (Ctrl-C included)
 for pipelines left open.
+
+Layout: the engine is built on the generator mesh `config.tpu.gen_mesh` describes, over the
+engine's devices (`engine.generator_mesh`, `engine.generator_layout`: the same shardings the dry
+run compiles generation with), in this process and in every `launch/serve.py` replica.
+
+Routing replay (rl.routing_replay="r3", MoE): the engines record each token's experts per layer
+(generator.GroupResult.routing) and a batch carries them as the sync sampler does
+(`out.routing_BSLK` [P*G, max_prompt_len + T, n_layers, k], prompt columns left-padded); a group
+that arrives without them, or with another shape, is a RolloutError.
 
 Resume: the prompt stream is pulled ahead of training. `resume_state()` (saved with each
 checkpoint) is the stream's state before the oldest prompt not yet trained on, plus the
@@ -56,7 +67,6 @@ from typing import NamedTuple
 import jax
 import numpy as np
 
-from rl_scaling import sharding
 from rl_scaling.rollout import sampler
 from rl_scaling.rollout.errors import RolloutError
 
@@ -133,7 +143,8 @@ atexit.register(close_all)
 class Pipeline:
     def __init__(self, backend, task, stream, *, prompts_per_step: int, samples_per_prompt: int,
                  max_prompt_len: int, max_new_tokens: int, max_staleness: int, stale_policy: str = "wait",
-                 queue_size: int = 0, poll_s: float = 0.1, stall_s: float = 600.0, skip_prompts: dict | None = None):
+                 queue_size: int = 0, poll_s: float = 0.1, stall_s: float = 600.0, skip_prompts: dict | None = None,
+                 routing_shape: tuple | None = None, wait_log_s: float = 30.0):
         if stale_policy not in STALE_POLICIES:
             raise ValueError(f"config.rollout.stale_policy={stale_policy!r} is not valid; choose one of {STALE_POLICIES}")
         if max_staleness < 0:
@@ -142,6 +153,8 @@ class Pipeline:
         self.P, self.G, self.k = prompts_per_step, samples_per_prompt, max_staleness
         self.max_prompt_len, self.T = max_prompt_len, max_new_tokens
         self.policy, self.poll_s, self.stall_s = stale_policy, poll_s, stall_s
+        self.routing_shape = None if routing_shape is None else tuple(routing_shape)  # (n_layers, k) under r3
+        self.wait_log_s = wait_log_s
         cap = queue_size or 2 * self.P
         if cap < self.P:
             raise ValueError(f"config.rollout.queue_size={queue_size} must be at least prompts_per_step={self.P} (or 0: auto)")
@@ -243,6 +256,12 @@ class Pipeline:
             if r.tokens.shape != (self.G, self.T):
                 raise RolloutError(f"group {r.group_id} came back with shape {r.tokens.shape}, expected {(self.G, self.T)}: "
                                    "the rollout server's config does not match the trainer's")
+            if self.routing_shape is not None:
+                want = (self.G, len(r.prompt) + self.T) + self.routing_shape
+                got = None if getattr(r, "routing", None) is None else np.shape(r.routing)
+                if got != want:
+                    raise RolloutError(f"group {r.group_id} came back with routing of shape {got}, expected {want} "
+                                       "(rl.routing_replay='r3' needs each token's experts per layer from the engine)")
             self._ready[r.group_id] = r
 
     def _drop(self, gid):
@@ -275,7 +294,11 @@ class Pipeline:
         queue_depth = len(self._ready)  # groups ready before any waiting
         self._top_up()
         chosen = None
+        next_log = time.perf_counter() + self.wait_log_s
         while chosen is None:
+            if time.perf_counter() >= next_log:
+                next_log += self.wait_log_s
+                self._log_wait(time.perf_counter() - t_call)
             self.backend.check()
             stalled = self.backend.stats().get("stalled_s", 0.0)
             if stalled > self.stall_s:  # alive but stuck (a hang, not a crash)
@@ -298,6 +321,15 @@ class Pipeline:
         self.counts["consumed"] += len(chosen)
         return data
 
+    def _log_wait(self, waited: float) -> None:
+        head = [g for g in list(self._order)[: self.P] if g not in self._ready]
+        what = (f"groups {head[:8]}{' ...' if len(head) > 8 else ''} (the oldest, in order)" if self.policy == "wait"
+                else f"{self.P - len(self._ready)} more groups")
+        backend = self.backend.waiting() if hasattr(self.backend, "waiting") else \
+            ", ".join(f"{k} {v:.0f}" for k, v in self.backend.stats().items() if isinstance(v, (int, float)))
+        log.info("trainer at version %d has waited %.0f s for %s; %d groups ready, %d outstanding; %s",
+                 self.version, waited, what, len(self._ready), len(self._outstanding), backend)
+
     def _assemble(self, gids, queue_depth, t_call, t_ready) -> StepData:
         P, G, T, L = self.P, self.G, self.T, self.max_prompt_len
         N = P * G
@@ -311,6 +343,7 @@ class Pipeline:
         stopped = np.empty((N,), bool)
         rewards = np.empty((N,), np.float32)
         ids = np.empty((N,), np.int64)
+        routing = None if self.routing_shape is None else np.zeros((N, L + T) + self.routing_shape, np.int32)
         for i, gid in enumerate(gids):
             r, problem = self._ready[gid], self._outstanding[gid]
             rows = slice(i * G, (i + 1) * G)
@@ -320,6 +353,8 @@ class Pipeline:
             tokens[rows], logprobs[rows], versions[rows], forced[rows] = r.tokens, r.logprobs, r.versions, r.forced
             lengths[rows], stopped[rows] = r.lengths, r.stopped
             ids[rows] = gid * G + np.arange(G)
+            if routing is not None:  # the prompt's columns left-padded, as its tokens
+                routing[rows, L - n:] = r.routing
             for j in range(G):
                 response = self.tok.decode(r.tokens[j, : r.lengths[j]])
                 rewards[i * G + j] = self.task.reward(response, problem)
@@ -330,7 +365,7 @@ class Pipeline:
             raise RolloutError(f"internal error: staleness {staleness.max()} > k={self.k}")
         hist = np.bincount(staleness, minlength=self.k + 1)[: self.k + 1]
         self.staleness_hist += hist
-        out = sampler.Samples(tokens, logprobs, forced, lengths, ~stopped, forced.any(axis=1))
+        out = sampler.Samples(tokens, logprobs, forced, lengths, ~stopped, forced.any(axis=1), routing)
 
         wait = t_ready - t_call
         self.trainer_wait_s += wait
@@ -403,6 +438,14 @@ def engine_devices(config):
     return jax.devices()[len(jax.devices()) - n:] if n else jax.devices()[:1]
 
 
+def routing_shape(config, gen_cfg) -> tuple | None:
+    """(n_layers, k) of the experts each token carries from the generators: under
+    rl.routing_replay="r3" with an MoE policy, else None."""
+    if config.rl.get("routing_replay", "off") != "r3" or not gen_cfg.num_experts:
+        return None
+    return (gen_cfg.n_layers, gen_cfg.num_experts_per_tok)
+
+
 def servers_of(config) -> list[str]:
     """The replica addresses: rollout.servers ('HOST:PORT,HOST:PORT,...'), or the one rollout.server."""
     from rl_scaling.rollout import client
@@ -421,6 +464,7 @@ def from_config(config, task, stream, gen_cfg, params, version: int, *, resume: 
     rc = config.rollout
     P, G = rc.prompts_per_step, rc.samples_per_prompt
     servers = servers_of(config)
+    routing = routing_shape(config, gen_cfg)
     if jax.process_count() > 1 and not servers:
         raise ValueError("config.rollout.mode='pipeline' with several trainer processes needs engine replicas of their "
                          "own (config.rollout.servers=HOST:PORT,...): an embedded engine would run once per host")
@@ -432,14 +476,15 @@ def from_config(config, task, stream, gen_cfg, params, version: int, *, resume: 
             backend = client.RemoteBackend(servers, expected=wire.fingerprint(config), reconnect_s=rc.reconnect_s,
                                            token=wire.load_token(rc.get("token_file", "")),
                                            weights_dir=rc.get("weights_dir", ""), push_dtype=rc.get("push_dtype", ""),
-                                           fp32_lm_head=rc.fp32_lm_head, tie_embeddings=gen_cfg.tie_embeddings)
+                                           fp32_lm_head=rc.fp32_lm_head, tie_embeddings=gen_cfg.tie_embeddings,
+                                           routing=routing and routing + (gen_cfg.num_experts,))
         else:
             engine, holder = make_engine(config, gen_cfg, task.tokenizer, engine_devices(config))
             backend = EmbeddedBackend(engine, holder)
         pipe = Pipeline(backend, task, stream, prompts_per_step=P, samples_per_prompt=G,
                         max_prompt_len=config.task.max_prompt_len, max_new_tokens=rc.max_new_tokens,
                         max_staleness=rc.max_staleness, stale_policy=rc.stale_policy, queue_size=rc.queue_size,
-                        skip_prompts=(resume or {}).get("skip"))
+                        skip_prompts=(resume or {}).get("skip"), routing_shape=routing)
     if jax.process_count() > 1 or ledger:
         from rl_scaling.rollout import multihost
 
@@ -455,12 +500,14 @@ def from_config(config, task, stream, gen_cfg, params, version: int, *, resume: 
 
 
 def make_engine(config, gen_cfg, tokenizer, devices):
-    """A PolicyEngine on a mesh over `devices` (fsdp over all of them) and its weight holder."""
+    """A PolicyEngine over `devices` on the generator mesh config.tpu.gen_mesh describes
+    (engine.generator_mesh: what the dry run compiles generation on), and its weight holder. It
+    records each token's experts under rl.routing_replay="r3" (MoE)."""
     from rl_scaling.rollout import engine as engine_lib
     from rl_scaling.rollout import length_control
 
     rc = config.rollout
-    mesh = sharding.make_mesh({"fsdp": -1}, devices)
+    mesh = engine_lib.generator_mesh(config.tpu.gen_mesh, devices)
     slots = rc.engine_slots or rc.prompts_per_step * rc.samples_per_prompt
     length = length_control.LengthControl(config, tokenizer)
     interrupt = None
@@ -469,5 +516,7 @@ def make_engine(config, gen_cfg, tokenizer, devices):
     engine = engine_lib.PolicyEngine(gen_cfg, mesh, slots=slots, max_prefill_length=config.task.max_prompt_len,
                                      max_new_tokens=rc.max_new_tokens, temperature=rc.temperature,
                                      stop_tokens=(tokenizer.eos_id,), pad_id=tokenizer.pad_id,
-                                     seed=config.seed + 7919, tokenizer=tokenizer, interrupt=interrupt)
+                                     seed=config.seed + 7919, tokenizer=tokenizer, interrupt=interrupt,
+                                     record_routing=routing_shape(config, gen_cfg) is not None)
+    log.info("rollout engine: %s", engine.layout.describe())
     return engine, engine.load_params()

@@ -24,7 +24,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from rl_scaling.policy import cpu_kernels, model as model_lib
+from rl_scaling.policy import cpu_kernels, model as model_lib, moe
 
 
 def _unrolled_threefry_on_cpu():
@@ -56,6 +56,10 @@ class Samples(NamedTuple):
     lengths_B: jax.Array  # generated tokens, stop token included
     truncated_B: jax.Array  # ran out of budget before a stop token
     interrupted_B: jax.Array  # the thinking budget was hit and the phrase injected
+    # record_routing (MoE): each fed token's experts per layer, prompt columns then generated ones
+    # ([B, P + T, n_layers, k] int32, aligned with collect.rl_batch's tokens), for routing replay;
+    # [B, 0] when not recorded, None from generators that cannot record it (the JetStream engine)
+    routing_BSLK: jax.Array | None = None
 
 
 def categorical(key, logits_BV):
@@ -72,19 +76,29 @@ def categorical(key, logits_BV):
 @functools.partial(
     jax.jit,
     static_argnames=("cfg", "max_new_tokens", "stop_tokens", "pad_id", "interrupt_tokens",
-                     "think_end_id", "answer_budget", "group_size", "cache_segments"),
+                     "think_end_id", "answer_budget", "group_size", "cache_segments", "record_routing"),
 )
 def sample(params, prompt_BP, prompt_mask_BP, rng, *, cfg: model_lib.ModelConfig, max_new_tokens: int,
            temperature=1.0, stop_tokens: tuple[int, ...] = (), pad_id: int = 0,
            think_budget_B=None, interrupt_tokens: tuple[int, ...] = (), think_end_id: int = -1,
-           answer_budget: int = 0, group_size: int = 1, cache_segments: int = CACHE_SEGMENTS) -> Samples:
+           answer_budget: int = 0, group_size: int = 1, cache_segments: int = CACHE_SEGMENTS,
+           record_routing: bool = False) -> Samples:
     """group_size=G: prompt_BP holds each group's prompt once ([B/G, P]); it is prefilled once
     and its KV cache and last logits repeated for the group's G rows (row b samples from prompt
-    b // G), so prefill costs 1/G. Tokens and log-probs are those of G copies of each prompt."""
+    b // G), so prefill costs 1/G. Tokens and log-probs are those of G copies of each prompt.
+    record_routing (an MoE cfg): also return the experts of every token fed (Samples.routing_BSLK)."""
     decoder = model_lib.Decoder(cfg)
     variables = {"params": model_lib.split_layers(params),  # once per call, as the CPU kernels' panels
                  **cpu_kernels.decode_panels(params, cfg)}
-    apply = functools.partial(decoder.apply, variables)
+    record_routing = bool(record_routing and cfg.num_experts)
+
+    def apply(tokens_BT, *args):
+        """(logits, cache, routing [B, T, n_layers, k] or None)."""
+        if not record_routing:
+            return (*decoder.apply(variables, tokens_BT, *args), None)
+        (logits, cache), inter = decoder.apply(variables, tokens_BT, *args, mutable="intermediates")
+        return logits, cache, moe.routing_of(inter, *tokens_BT.shape)
+
     n_prompts, P = prompt_BP.shape
     B = n_prompts * group_size
     if cache_segments < 1:
@@ -92,11 +106,11 @@ def sample(params, prompt_BP, prompt_mask_BP, rng, *, cfg: model_lib.ModelConfig
     segment_ends = model_lib.even_split_ends(max_new_tokens, cache_segments, MIN_SEGMENT_STEPS)
     cache = model_lib.init_cache(cfg, n_prompts, P + segment_ends[0])
     positions_BP = model_lib.positions_from_mask(prompt_mask_BP)
-    logits_BPV, cache = apply(prompt_BP, positions_BP, prompt_mask_BP, cache)
+    logits_BPV, cache, prompt_routing = apply(prompt_BP, positions_BP, prompt_mask_BP, cache)
     last_BV, next_pos_B = logits_BPV[:, -1], positions_BP[:, -1] + 1
     if group_size > 1:
-        last_BV, next_pos_B, cache = jax.tree.map(lambda x: jnp.repeat(x, group_size, axis=0),
-                                                  (last_BV, next_pos_B, cache))
+        last_BV, next_pos_B, cache, prompt_routing = jax.tree.map(lambda x: jnp.repeat(x, group_size, axis=0),
+                                                                  (last_BV, next_pos_B, cache, prompt_routing))
 
     stop_ids = jnp.asarray(stop_tokens or (-1,), jnp.int32)
     phrase = jnp.asarray(interrupt_tokens or (pad_id,), jnp.int32)
@@ -131,12 +145,16 @@ def sample(params, prompt_BP, prompt_mask_BP, rng, *, cfg: model_lib.ModelConfig
         token_B = jnp.where(done_B, pad_id, token_B)
         logprob_B = jnp.where(done_B | forcing_B, 0.0, logprob_B)
         think_end_B = jnp.where((think_end_B < 0) & (token_B == think_end_id) & ~done_B, t, think_end_B)
+        routing_BTLK = out.get("routing")
         out = {
             "tokens": out["tokens"].at[:, t].set(token_B),
             "logprobs": out["logprobs"].at[:, t].set(logprob_B),
             "forced": out["forced"].at[:, t].set(forcing_B & ~done_B),
             "lengths": out["lengths"] + (~done_B).astype(jnp.int32),
         }
+        logits_B1V, cache, routing_B1LK = apply(token_B[:, None], pos_B[:, None], ~done_B[:, None], cache)
+        if record_routing:  # the experts of token t, fed at this step
+            out["routing"] = routing_BTLK.at[:, t].set(routing_B1LK[:, 0])
         stopped_B = jnp.any(token_B[:, None] == stop_ids[None, :], axis=1) & ~forcing_B
         if use_interrupt:
             # After an interruption the answer has its own budget of sampled tokens.
@@ -145,7 +163,6 @@ def sample(params, prompt_BP, prompt_mask_BP, rng, *, cfg: model_lib.ModelConfig
             stopped_B |= answering_B & (answer_left_B == 0)
             stopped_B |= interrupted_now_B & (answer_budget == 0)
         new_done_B = done_B | stopped_B
-        logits_B1V, cache = apply(token_B[:, None], pos_B[:, None], ~done_B[:, None], cache)
         return (t + 1, cache, logits_B1V[:, 0], new_done_B, out, rng, pos_B + 1, think_end_B,
                 forced_left_B, answer_left_B)
 
@@ -155,6 +172,8 @@ def sample(params, prompt_BP, prompt_mask_BP, rng, *, cfg: model_lib.ModelConfig
         "forced": jnp.zeros((B, max_new_tokens), bool),
         "lengths": jnp.zeros((B,), jnp.int32),
     }
+    if record_routing:
+        out["routing"] = jnp.zeros((B, max_new_tokens) + prompt_routing.shape[2:], jnp.int32)
     carry = (jnp.int32(0), cache, last_BV, jnp.zeros((B,), bool), out, rng, next_pos_B,
              jnp.full((B,), -1, jnp.int32), jnp.zeros((B,), jnp.int32), jnp.full((B,), -1, jnp.int32))
     for end in segment_ends:  # step t writes slot P + t: a segment ending at `end` needs P + end slots
@@ -162,4 +181,7 @@ def sample(params, prompt_BP, prompt_mask_BP, rng, *, cfg: model_lib.ModelConfig
         carry = jax.lax.while_loop(lambda c, end=end: cond(c) & (c[0] < end), body, carry)
     _, _, _, done_B, out, _, _, _, _, answer_left_B = carry
     interrupted_B = answer_left_B >= 0
-    return Samples(out["tokens"], out["logprobs"], out["forced"], out["lengths"], ~done_B, interrupted_B)
+    # not recorded: an empty [B, 0] array (every field stays an array for callers that map over them)
+    routing = (jnp.concatenate([prompt_routing, out["routing"]], axis=1) if record_routing
+               else jnp.zeros((B, 0), jnp.int32))
+    return Samples(out["tokens"], out["logprobs"], out["forced"], out["lengths"], ~done_B, interrupted_B, routing)

@@ -34,13 +34,24 @@ constant time) or is answered UNAUTHENTICATED before any handler runs.
       at most MAX_SAMPLES samples a group, `max_submit_samples` a Submit and `max_pending`
       groups queued.
   Fetch({ack: [ids], timeout})                -> finished groups (prompt_<id>, tokens_<id>, logprobs_<id>,
-      versions_<id>, lengths_<id>, stopped_<id>, forced_<id>), generator stats, the server's error if any.
+      versions_<id>, lengths_<id>, stopped_<id>, forced_<id>[, routing_<id>]), generator stats, the server's
+      error if any (routing_<id>: each token's experts, from an engine that records them; wire.py).
       Long-polls up to `timeout` (<= MAX_FETCH_S); at most `max_fetches` at once. A group is
       re-sent until acked (the client drops duplicates by id), so a lost reply loses no group.
 
-Sessions: a Submit with a new session id is a new trainer: the server forgets the previous
-session's groups and results. A PushWeights with a new session id restarts the version count
-(a trainer resumed from an older checkpoint); within a session versions only go up.
+Sessions: a replica serves one trainer session at a time. Every PushWeights carries the
+trainer's session id (x-rl-scaling-session metadata; without it INVALID_ARGUMENT), every Submit
+its `session` field, and the client's Health and Fetch calls their `session`: the first session
+to call holds the replica, and while it does (until it releases it on close, or for
+`session_lease_s` after its last call) another session is refused with FAILED_PRECONDITION naming
+the holder. A new holder is a new trainer: the server forgets the previous session's groups and
+results, and its versions start afresh (a trainer resumed from an older checkpoint); within a
+session versions only go up. Versions are 0..MAX_VERSION (the engine records each token's version
+as int32); another is INVALID_ARGUMENT. A pushed leaf with a NaN or inf is INVALID_ARGUMENT
+naming the leaf, and the replica keeps its weights.
+
+Binding is exclusive (no SO_REUSEPORT): a second server on a taken port fails with an error
+naming the address instead of sharing the port's connections.
 """
 
 from __future__ import annotations
@@ -48,6 +59,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import hmac
+import ipaddress
 import logging
 import queue
 import threading
@@ -57,6 +69,7 @@ from concurrent import futures
 
 import grpc
 import jax
+import numpy as np
 from flax import linen as nn
 
 from rl_scaling.policy import model as model_lib
@@ -66,7 +79,7 @@ from rl_scaling.rollout.client import RemoteBackend  # noqa: F401 - re-exported:
 from rl_scaling.rollout.errors import RolloutError  # noqa: F401 - re-exported
 from rl_scaling.rollout.wire import (  # noqa: F401 - re-exported for the service's users
     CHUNK_BYTES, OPTIONS, RESULT_FIELDS, SERVICE, TOKEN_ENV, TOKEN_METADATA, BadRequest, _leaf_keys, check_prompt, field,
-    fingerprint, load_token, pack, read_weight_chunks, unpack, weight_chunks)
+    fingerprint, load_token, pack, read_weight_chunks, result_arrays, unpack, weight_chunks)
 
 log = logging.getLogger(__name__)
 
@@ -75,8 +88,39 @@ MAX_SAMPLES = 4096  # per group: a bigger request is refused, not allowed to exh
 MAX_FETCH_S = 60.0  # longest Fetch long-poll
 
 
+MAX_VERSION = 2**31 - 1  # the engine records each token's policy version as int32
+SESSION_LEASE_S = 60.0  # a trainer that has not called for this long no longer holds the replica
+# Exclusive bind: with SO_REUSEPORT (grpc's default on Linux) a second server on the same port
+# binds too, and the kernel splits the connections between the two silently.
+SERVER_OPTIONS = OPTIONS + [("grpc.so_reuseport", 0)]
+
+
 def is_loopback(host: str) -> bool:
-    return host in ("localhost", "::1") or host.startswith("127.")
+    """Whether `host` resolves to loopback addresses only (decided on the resolved addresses, not
+    the spelling: `127.evil.example` is whatever DNS says it is; a name that does not resolve is
+    not loopback)."""
+    host = host.strip()
+    if host.startswith("[") and host.endswith("]"):
+        host = host[1:-1]
+    import socket
+
+    try:
+        infos = socket.getaddrinfo(host, None, proto=socket.IPPROTO_TCP)
+    except (OSError, UnicodeError):
+        return False
+    addresses = {info[4][0].split("%", 1)[0] for info in infos}
+    try:
+        return bool(addresses) and all(ipaddress.ip_address(a).is_loopback for a in addresses)
+    except ValueError:
+        return False
+
+
+def bind_address(host: str, port: int) -> str:
+    """`host:port` as grpc takes it (an IPv6 literal in brackets)."""
+    host = host.strip()
+    if ":" in host and not host.startswith("["):
+        host = f"[{host}]"
+    return f"{host}:{port}"
 
 
 class Refused(Exception):
@@ -167,7 +211,7 @@ class RolloutServer:
     def __init__(self, engine, holder, *, host: str = "127.0.0.1", port: int = 0, fingerprint: dict | None = None,
                  resend_s: float = 10.0, threads: int = 8, jetstream: bool = False, token: str = "",
                  max_submit_samples: int = 1 << 16, max_pending: int = 4096, max_fetches: int = 4,
-                 weights_dir: str = "", poll_s: float = 1.0):
+                 weights_dir: str = "", poll_s: float = 1.0, session_lease_s: float = SESSION_LEASE_S):
         self.engine, self.holder = engine, holder
         self.generator = generator_lib.Generator(engine, holder).start()
         self.instance = uuid.uuid4().hex
@@ -180,6 +224,8 @@ class RolloutServer:
         self._shapes = {k: a.shape for k, a in zip(self._keys, self._avals)}
         self._completed: dict[int, list] = {}  # group id -> [GroupResult, time sent or None]
         self._session = None  # the trainer whose groups are being served (group ids are per session)
+        self._holder, self._holder_seen = None, 0.0  # the session holding the replica, its last call
+        self.session_lease_s = session_lease_s
         self._weights_session = None  # the trainer whose pushes set the version (versions only go up within it)
         self._lock = threading.Lock()
         self._weights_lock = threading.Lock()  # one weight update at a time (push or directory)
@@ -196,13 +242,21 @@ class RolloutServer:
 
             services.append(jetstream_service.Orchestrator(self).service())
         interceptors = [TokenCheck(token)] if token else []
-        self._server = grpc.server(futures.ThreadPoolExecutor(max_workers=threads), options=OPTIONS,
+        self._server = grpc.server(futures.ThreadPoolExecutor(max_workers=threads), options=SERVER_OPTIONS,
                                    interceptors=interceptors)
         self._server.add_generic_rpc_handlers(services)
-        self.port = self._server.add_insecure_port(f"{host}:{port}")
+        where = bind_address(host, port)
+        try:
+            self.port = self._server.add_insecure_port(where)
+        except RuntimeError as e:  # grpc raises on a failed bind (older versions return 0)
+            self.port, why = 0, str(e)
+        else:
+            why = ""
         if not self.port:
-            raise OSError(f"rollout server: cannot bind {host}:{port}")
-        self.address = f"{host}:{self.port}"
+            self.generator.stop()
+            raise OSError(f"rollout server: cannot bind {where}: the port is in use (another launch/serve.py?) "
+                          f"or the address is not on this host{' (' + why + ')' if why else ''}")
+        self.address = bind_address(host, self.port)
         self.weights_dir, self.poll_s = weights_dir, poll_s
         self._poller = threading.Thread(target=self._poll_weights, name="weights-dir-poller", daemon=True)
 
@@ -239,6 +293,29 @@ class RolloutServer:
         return ""
 
     # ---- sessions and weights ----------------------------------------------------------
+    def _hold(self, session: str) -> None:
+        """`session` calls: it holds the replica (taking it over when free), or is refused while
+        another session holds it (FAILED_PRECONDITION naming the holder)."""
+        now = time.monotonic()
+        with self._lock:
+            if self._holder is not None and self._holder != session:
+                idle = now - self._holder_seen
+                if idle < self.session_lease_s:
+                    raise Refused(grpc.StatusCode.FAILED_PRECONDITION,
+                                  f"this replica serves trainer session {self._holder} (last call {idle:.0f} s ago); "
+                                  "one trainer at a time: stop that trainer (or give each trainer its own replicas), "
+                                  f"or retry {self.session_lease_s - idle:.0f} s after its last call")
+                log.warning("trainer session %s silent for %.0f s: session %s takes the replica over",
+                            self._holder[:8], idle, session[:8])
+            self._holder, self._holder_seen = session, now
+            self._join_session(session)
+
+    def _release(self, session: str) -> None:
+        with self._lock:
+            if self._holder == session:
+                self._holder = None
+                log.info("trainer session %s released the replica", session[:8])
+
     def _join_session(self, session: str) -> None:
         """Called with self._lock held: a new trainer drops the old one's work, results and versions."""
         if session == self._session:
@@ -254,6 +331,17 @@ class RolloutServer:
         missing = [k for k in self._keys if k not in arrays]
         if missing:
             raise BadRequest(f"weight push has no {', '.join(missing[:3])}{' ...' if len(missing) > 3 else ''}")
+        if not 0 <= version <= MAX_VERSION:
+            raise BadRequest(f"weight version {version} is out of range 0..{MAX_VERSION} (each token's version is "
+                             "recorded as int32)")
+        if session is not None:  # a push: every leaf must be finite (the directory is the trainer's own files)
+            for key in self._keys:
+                a = arrays[key]
+                if np.issubdtype(a.dtype, np.inexact) or a.dtype.kind == "V" or "float" in str(a.dtype):
+                    bad = ~np.isfinite(a.astype(np.float32) if a.dtype.itemsize < 4 else a)
+                    if bad.any():
+                        raise BadRequest(f"weight push: leaf {key} has {int(bad.sum())} non-finite values "
+                                         f"(NaN or inf); the replica keeps version {self.holder.version}")
         new_session = session is not None and session != self._weights_session
         if version < self.holder.version and not new_session:
             raise Refused(grpc.StatusCode.FAILED_PRECONDITION,
@@ -295,8 +383,14 @@ class RolloutServer:
         return {**self.generator.stats(), "pending": self.generator.pending()}
 
     def _health(self, request: bytes, context) -> bytes:
-        unpack(request)  # no fields; but it must be a message of this service
-        return pack({"instance": self.instance, "live": self.generator.alive and not self.error(),
+        meta, _ = unpack(request)  # a trainer's probe names its session; a monitor's names none
+        if "session" in meta:
+            session = field(meta, "session", str)
+            if meta.get("release"):
+                self._release(session)
+            else:
+                self._hold(session)
+        return pack({"session": self._holder or "", "instance": self.instance, "live": self.generator.alive and not self.error(),
                      "error": self.error(), "version": self.holder.version, "fingerprint": self.fingerprint,
                      "devices": len(self.engine.mesh.devices.flat), "stats": self._stats(),
                      "weights_dir": self.weights_dir})
@@ -323,8 +417,8 @@ class RolloutServer:
         total = sum(r.num_samples for r in reqs)
         if total > self.max_submit_samples:
             raise BadRequest(f"Submit of {total} samples; at most max_submit_samples={self.max_submit_samples}")
+        self._hold(session)
         with self._lock:
-            self._join_session(session)
             if self.generator.pending() + len(reqs) > self.max_pending:
                 raise Refused(grpc.StatusCode.RESOURCE_EXHAUSTED,
                               f"{self.generator.pending()} groups queued; at most max_pending={self.max_pending}")
@@ -333,6 +427,8 @@ class RolloutServer:
 
     def _fetch(self, request: bytes, context) -> bytes:
         meta, _ = unpack(request)
+        if "session" in meta:
+            self._hold(field(meta, "session", str))
         timeout = field(meta, "timeout", float) if "timeout" in meta else 0.0
         ack = field(meta, "ack", list) if "ack" in meta else []
         if not 0 <= timeout <= MAX_FETCH_S or not all(isinstance(g, int) and not isinstance(g, bool) for g in ack):
@@ -373,12 +469,14 @@ class RolloutServer:
                 entry[1] = now
                 r = entry[0]
                 groups.append({"id": gid})
-                for name in RESULT_FIELDS:
-                    arrays[f"{name}_{gid}"] = getattr(r, name)
+                arrays.update(result_arrays(r, self.engine.cfg.num_experts))  # routing_<id> too when recorded
         return pack({"groups": groups, "stats": self._stats(), "error": err, "instance": self.instance}, arrays)
 
     def _push_weights(self, request_iterator, context) -> bytes:
         session = dict(context.invocation_metadata() or ()).get(SESSION_METADATA, "")
+        if not isinstance(session, str) or not session.strip():
+            raise BadRequest(f"a weight push must carry the trainer's session id ({SESSION_METADATA} metadata)")
+        self._hold(session)
         version, arrays = read_weight_chunks(request_iterator, self._shapes)
         with self._weights_lock:
             self._set_weights(arrays, int(version), session)
@@ -386,7 +484,8 @@ class RolloutServer:
 
 
 def serve(config, *, host: str = "127.0.0.1", port: int = 0, devices=None, jetstream: bool = False,
-          params: str = "", token: str = "", weights_dir: str = "") -> RolloutServer:
+          params: str = "", token: str = "", weights_dir: str = "",
+          session_lease_s: float = SESSION_LEASE_S) -> RolloutServer:
     """Build the engine a config describes and start serving it. Weights arrive by push (or from
     `weights_dir`), or start as version 0 from `params` (an Orbax params checkpoint or a Hugging
     Face directory)."""
@@ -402,4 +501,5 @@ def serve(config, *, host: str = "127.0.0.1", port: int = 0, devices=None, jetst
         holder.set(train.load_start_params(params, gen_cfg, engine.mesh, abstract), 0)
         log.info("serving the weights in %s as version 0", params)
     return RolloutServer(engine, holder, host=host, port=port, fingerprint=fingerprint(config),
-                         jetstream=jetstream, token=token, weights_dir=weights_dir).start()
+                         jetstream=jetstream, token=token, weights_dir=weights_dir,
+                         session_lease_s=session_lease_s).start()

@@ -11,6 +11,12 @@ Weights on the wire: `cast_for_push` gives the trainer's params in `rollout.push
 the devices that hold them, before any byte leaves the trainer), with the exceptions of
 `keeps_float32`; the receiver casts them to its own avals (server.py `_set_weights`).
 
+Routing (MoE routing replay, rl.routing_replay="r3"): a finished group may carry `routing_<id>`,
+each token's experts per layer ([G, len(prompt) + T, n_layers, k], generator.GroupResult.routing),
+sent in the smallest unsigned integer type that holds the expert ids. The receiver checks it with
+`check_routing` (`BadRouting` names the array: a wrong shape or dtype, an id outside [0,
+num_experts)) before any of it reaches the trainer.
+
 Authentication: every RPC carries the shared secret in the `TOKEN_METADATA` gRPC metadata
 entry; `load_token` reads it from the environment (RL_SCALING_ROLLOUT_TOKEN) or a file.
 """
@@ -38,6 +44,63 @@ TOKEN_METADATA = "x-rl-scaling-token"
 
 class BadRequest(ValueError):
     """A malformed request: answered INVALID_ARGUMENT with this message."""
+
+
+class BadRouting(BadRequest):
+    """A group's recorded routing (`routing_<id>`) that is not each token's experts per layer."""
+
+
+def routing_wire_dtype(num_experts: int):
+    """The smallest unsigned integer type that holds expert ids 0..num_experts-1."""
+    return next(t for t in (np.uint8, np.uint16, np.uint32) if num_experts - 1 <= np.iinfo(t).max)
+
+
+def check_routing(a, *, samples: int, length: int, n_layers: int, k: int, num_experts: int,
+                  name: str = "routing") -> np.ndarray:
+    """`a` as int32 [samples, length, n_layers, k] expert ids in [0, num_experts), or BadRouting naming `name`."""
+    a = np.asarray(a)
+    want = (samples, length, n_layers, k)
+    if not np.issubdtype(a.dtype, np.integer):
+        raise BadRouting(f"{name}: expert ids must be integers, got {a.dtype}")
+    if a.shape != want:
+        raise BadRouting(f"{name}: shape {a.shape}, expected {want} (samples, prompt + completion tokens, "
+                         f"n_layers={n_layers}, k={k})")
+    if a.size and (a.min() < 0 or a.max() >= num_experts):
+        bad = np.argwhere((a < 0) | (a >= num_experts))[0]
+        raise BadRouting(f"{name}: expert ids must be in [0, {num_experts}), got {a[tuple(bad)]} at "
+                         f"(sample, token, layer, k) = {tuple(int(i) for i in bad)}")
+    return a.astype(np.int32)
+
+
+def result_arrays(r, num_experts: int = 0) -> dict:
+    """The arrays of a finished group (generator.GroupResult) in a Fetch reply."""
+    gid = r.group_id
+    arrays = {f"{name}_{gid}": getattr(r, name) for name in RESULT_FIELDS}
+    if getattr(r, "routing", None) is not None:
+        arrays[f"routing_{gid}"] = np.asarray(r.routing).astype(routing_wire_dtype(max(num_experts, 1)))
+    return arrays
+
+
+def read_result(gid: int, arrays: dict, routing: tuple | None = None):
+    """The GroupResult of group `gid` from a Fetch reply; with routing=(n_layers, k, num_experts)
+    its `routing_<gid>` too, checked (BadRouting)."""
+    from rl_scaling.rollout import generator
+
+    try:
+        fields = [arrays[f"{n}_{gid}"] for n in RESULT_FIELDS]
+    except KeyError as e:
+        raise BadRequest(f"group {gid}: no array {e.args[0]}") from None
+    rt = None
+    if routing is not None:
+        name = f"routing_{gid}"
+        if name not in arrays:
+            raise BadRouting(f"{name}: missing (rl.routing_replay='r3' needs each token's experts per layer; "
+                             "is the replica's config the trainer's?)")
+        n_layers, k, num_experts = routing
+        G, T = np.shape(fields[1])
+        rt = check_routing(arrays[name], samples=G, length=len(fields[0]) + T, n_layers=n_layers, k=k,
+                           num_experts=num_experts, name=name)
+    return generator.GroupResult(gid, *fields, routing=rt)
 
 
 def load_token(token_file: str = "") -> str:
@@ -126,6 +189,7 @@ def fingerprint(config) -> dict:
     return {"model": {k: v for k, v in config.model.to_dict().items()}, "fp32_lm_head": rc.fp32_lm_head,
             "task": config.task.name, "max_prompt_len": config.task.max_prompt_len,
             "max_new_tokens": rc.max_new_tokens, "temperature": rc.temperature,
+            "record_routing": config.rl.get("routing_replay", "off") == "r3" and bool(config.model.get("num_experts", 0)),
             "length_control": {k: rc[k] for k in ("length_control", "think_budget_lo", "think_budget_hi",
                                                   "interrupt_phrase", "answer_budget")}}
 

@@ -10,7 +10,7 @@ import numpy as np
 from rl_scaling.scaling import diagnostics, law
 from rl_scaling.scaling.fit import MIN_POINTS, lm_solve
 from rl_scaling.scaling.errors import ScalingDataError
-from rl_scaling.scaling.uncertainty import interval, resample_index
+from rl_scaling.scaling.uncertainty import resample_index
 
 # ---------------------------------------------------------------- power law
 
