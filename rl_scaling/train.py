@@ -128,9 +128,21 @@ def _train(config, workdir, held, preempt):
         rollouts = pipeline.from_config(config, task, stream, gen_cfg, state["params"], step,
                                         resume=meta.get("pipeline") if restored else None, ledger=ledger)
         n_devices += rollouts.devices  # a remote rollout server's accelerators count as compute
+        if isinstance(rollouts, pipeline.Pipeline) and jax.process_count() == 1:  # a signal ends any wait
+            rollouts.interrupted = lambda: preempt.signum is not None
     pending = None  # metrics are read one step late so the host never waits on the device
     compile_clock = compute.CompileClock()
     last_eval = {}
+    def save_checkpoint():  # this step's state, data position, counters and pipeline, with its logs flushed
+        nonlocal pending
+        if pending is not None:
+            writer.write(*_drain(pending))
+            pending = None
+        writer.flush()  # TensorBoard then holds every step the checkpoint holds
+        meta = {"data": stream.get_state(), **counters, **({"npr": npr.state()} if npr else {}),
+                **({"pipeline": rollouts.resume_state()} if rollouts is not None else {})}
+        ckpts.save(step, state, meta)
+
     preempt.install()  # from here a signal saves the step it interrupts
     while step < config.steps:
         step += 1
@@ -146,7 +158,13 @@ def _train(config, workdir, held, preempt):
             rollout_metrics = {"time/rollout_s": time.time() - t_gen, **ro.metrics}
             generated = ro.generated  # (prompt, completion) lengths of every sampled sequence
         else:  # P whole prompt groups, at most rollout.max_staleness policy versions old
-            rb = rollouts.next_batch()
+            try:
+                rb = rollouts.next_batch()
+            except pipeline.WaitInterrupted as e:  # preempted while waiting: save the last finished step
+                step -= 1
+                log.warning("%s: saving step %d", e, step)
+                save_checkpoint()
+                break
             prompt_tokens, prompt_mask, out, raw, rollout_metrics = rb.prompt_tokens, rb.prompt_mask, rb.out, rb.rewards, rb.metrics
             correct, rewards = (raw > 0).astype(np.float32), length.shape_rewards(raw, out.lengths_B)
             generated = (prompt_mask.sum(1), out.lengths_B)
@@ -191,13 +209,7 @@ def _train(config, workdir, held, preempt):
                                   "reward_mean": float(rewards.mean())})
         stop = preempt.agreed()  # a signal: every process saves this step and stops
         if is_checkpoint or stop:
-            if pending is not None:
-                writer.write(*_drain(pending))
-                pending = None
-            writer.flush()  # TensorBoard then holds every step the checkpoint holds
-            meta = {"data": stream.get_state(), **counters, **({"npr": npr.state()} if npr else {}),
-                    **({"pipeline": rollouts.resume_state()} if rollouts is not None else {})}
-            ckpts.save(step, state, meta)
+            save_checkpoint()
         if held is not None:
             held.refresh()
         if stop:

@@ -1,8 +1,13 @@
-"""The CPU decode kernels (policy/decode_attention.cc, decode_matmul.cc) against XLA's attention,
-numpy matmuls and a full recompute."""
+"""The CPU decode backend (policy/cpu_kernels.py: decode_attention.cc, decode_matmul.cc) against XLA's
+attention, numpy matmuls, a full recompute and the sampler without the backend."""
 
+import contextlib
 import dataclasses
 import functools
+import json
+import os
+import subprocess
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -64,9 +69,9 @@ def test_kernel_gradient_is_xla_attentions():
 
 @needs_kernel
 def test_model_decode_uses_kernels_and_matches_full_recompute():
-    """The decoder's decode steps, with the sampler's weight panels, run the kernels (their
-    custom calls are in the compiled step) and reproduce a full forward pass's logits,
-    left-padded prompts included."""
+    """The decoder's decode steps traced inside the backend's `decoding` context (the sampler's
+    seam) run the kernels (their custom calls are in the compiled step, absent without the
+    context) and reproduce a full forward pass's logits, left-padded prompts included."""
     params = nn.unbox(model_lib.init_params(H16, jax.random.key(3)))
     dec = model_lib.Decoder(H16)
     rng = np.random.default_rng(2)
@@ -77,18 +82,26 @@ def test_model_decode_uses_kernels_and_matches_full_recompute():
         mask[i, :i] = False  # left padding
     pos = model_lib.positions_from_mask(mask)
     full, _ = dec.apply({"params": params}, tokens, pos, mask)
-    variables = {"params": model_lib.split_layers(params), **cpu_kernels.decode_panels(params, H16)}  # the sampler's
-    assert set(variables["panels"]["layers"][0]) == {"attn", "mlp"} and "lm_head" in variables["panels"]
-    step = jax.jit(lambda c, t, p, m: dec.apply(variables, t, p, m, c))
+    panels = cpu_kernels.decode_panels(params, H16)
+    assert all(set(layer) == {"attn", "mlp"} for layer in panels["layers"]) and "lm_head" in panels
+    variables = {"params": model_lib.split_layers(params)}  # as the sampler's
+
+    def step(c, t, p, m, backend=True):
+        with cpu_kernels.decoding(H16, params) if backend else contextlib.nullcontext():
+            return dec.apply(variables, t, p, m, c)
+
     cache = model_lib.init_cache(H16, B, P + N)
     logits, cache = dec.apply({"params": params}, tokens[:, :P], pos[:, :P], mask[:, :P], cache)
     out = [logits]
+    targets = (cpu_kernels.ATTENTION, cpu_kernels.MATMUL, cpu_kernels.SWIGLU)
     for t in range(P, P + N):
         args = (tokens[:, t:t + 1], pos[:, t:t + 1], mask[:, t:t + 1])
         if t == P:
-            hlo = step.lower(cache, *args).compile().as_text()
-            assert all(target in hlo for target in (cpu_kernels.ATTENTION, cpu_kernels.MATMUL, cpu_kernels.SWIGLU))
-        logits, cache = step(cache, *args)
+            hlo = jax.jit(step).lower(cache, *args).compile().as_text()
+            assert all(target in hlo for target in targets)
+            plain = jax.jit(functools.partial(step, backend=False)).lower(cache, *args).compile().as_text()
+            assert not any(target in plain for target in targets)
+        logits, cache = jax.jit(step)(cache, *args)
         out.append(logits)
     np.testing.assert_allclose(np.concatenate(out, 1)[mask], np.asarray(full)[mask], rtol=2e-5, atol=2e-5)
 
@@ -134,27 +147,81 @@ def test_panel_layout_matches_numpy():
     np.testing.assert_array_equal(got, cpu_kernels._panels_reference((a[:, :, :32], c), 2, True))
 
 
-@needs_kernel
-@pytest.mark.parametrize("max_rows", [cpu_kernels.MAX_PANEL_ROWS, 8])
-def test_sampler_with_panels_samples_the_same_tokens(monkeypatch, max_rows):
-    """sampler.sample lays out the weight panels and its decode steps run the matmul kernels
-    (their custom calls are in the compiled sampler); tokens equal those of XLA's matmuls and
-    log-probs agree to float32 rounding. max_rows 8: the 15-row prefill takes XLA's matmuls
-    beside the panels, the 6-row decode steps the kernels."""
-    monkeypatch.setattr(cpu_kernels, "MAX_PANEL_ROWS", max_rows)
-    params = nn.unbox(model_lib.init_params(TINY, jax.random.key(5)))
-    prompts = np.random.default_rng(3).integers(1, TINY.vocab_size, size=(3, 5)).astype(np.int32)
+def _sampler_args(cfg):  # (the same draws as _WITHOUT_BACKEND's)
+    params = nn.unbox(model_lib.init_params(cfg, jax.random.key(5)))
+    prompts = np.random.default_rng(3).integers(1, cfg.vocab_size, size=(3, 5)).astype(np.int32)
     mask = np.ones_like(prompts, bool)
     mask[1, :2] = False
-    args = (params, prompts, mask, jax.random.key(1))
-    kw = dict(cfg=TINY, max_new_tokens=20, group_size=2)
-    hlo = sampler.sample.lower(*args, **kw).compile().as_text()
-    assert cpu_kernels.MATMUL in hlo and cpu_kernels.SWIGLU in hlo
-    with_panels = jax.jit(lambda *a: sampler.sample.__wrapped__(*a, **kw))(*args)  # traced with this max_rows
-    monkeypatch.setattr(cpu_kernels, "decode_panels", lambda params, cfg: {})
-    without = jax.jit(lambda *a: sampler.sample.__wrapped__(*a, **kw))(*args)
-    np.testing.assert_array_equal(np.asarray(with_panels.tokens_BT), np.asarray(without.tokens_BT))
-    np.testing.assert_allclose(np.asarray(with_panels.logprobs_BT), np.asarray(without.logprobs_BT), atol=2e-5)
+    return (params, prompts, mask, jax.random.key(1)), dict(cfg=cfg, max_new_tokens=20, group_size=2)
+
+
+@needs_kernel
+@pytest.mark.parametrize("max_rows", [cpu_kernels.MAX_PANEL_ROWS, 8])
+def test_sampler_with_kernels_samples_the_same_tokens(monkeypatch, max_rows):
+    """sampler.sample enters the backend: its compiled decode steps contain the attention and
+    matmul kernels' custom calls; tokens equal those of the sampler without the backend module
+    (XLA's attention and matmuls, no custom call) and log-probs agree to float32 rounding.
+    max_rows 8: the 15-row prefill takes XLA's matmuls beside the panels, the 6-row decode steps
+    the kernels."""
+    monkeypatch.setattr(cpu_kernels, "MAX_PANEL_ROWS", max_rows)
+    args, kw = _sampler_args(H16)
+    targets = (cpu_kernels.ATTENTION, cpu_kernels.MATMUL, cpu_kernels.SWIGLU)
+    hlo = jax.jit(lambda *a: sampler.sample.__wrapped__(*a, **kw)).lower(*args).compile().as_text()
+    assert all(target in hlo for target in targets)
+    with_kernels = jax.jit(lambda *a: sampler.sample.__wrapped__(*a, **kw))(*args)  # traced with this max_rows
+    monkeypatch.setattr(sampler, "cpu_kernels", None)  # as if policy/cpu_kernels.py were removed
+    plain = jax.jit(lambda *a: sampler.sample.__wrapped__(*a, **kw))
+    assert not any(target in plain.lower(*args).compile().as_text() for target in targets)
+    without = plain(*args)
+    np.testing.assert_array_equal(np.asarray(with_kernels.tokens_BT), np.asarray(without.tokens_BT))
+    np.testing.assert_allclose(np.asarray(with_kernels.logprobs_BT), np.asarray(without.logprobs_BT), atol=2e-5)
+
+
+_WITHOUT_BACKEND = """
+import json, sys
+sys.modules["rl_scaling.policy.cpu_kernels"] = None  # importing it now fails, as if the file were gone
+import jax, numpy as np
+from flax import linen as nn
+from rl_scaling.policy import model as model_lib
+from rl_scaling.rollout import sampler
+assert sampler.cpu_kernels is None
+cfg = model_lib.ModelConfig(**json.loads(sys.argv[1]))
+params = nn.unbox(model_lib.init_params(cfg, jax.random.key(5)))
+prompts = np.random.default_rng(3).integers(1, cfg.vocab_size, size=(3, 5)).astype(np.int32)
+mask = np.ones_like(prompts, bool)
+mask[1, :2] = False
+out = sampler.sample(params, prompts, mask, jax.random.key(1), cfg=cfg, max_new_tokens=20, group_size=2)
+print(json.dumps({"tokens": np.asarray(out.tokens_BT).tolist(), "logprobs": np.asarray(out.logprobs_BT).tolist(),
+                  "modules": sorted(m for m, v in sys.modules.items() if m.startswith("rl_scaling") and v is not None)}))
+"""
+
+
+def test_model_and_sampler_work_without_the_backend_module():
+    """With policy/cpu_kernels.py unimportable, the model and the sampler import and sample (in a
+    fresh process): the same tokens as this process's sampler, log-probs to float32 rounding."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=root)
+    env.pop("XLA_FLAGS", None)
+    run = subprocess.run([sys.executable, "-c", _WITHOUT_BACKEND, json.dumps(dataclasses.asdict(H16))], cwd=root, env=env, capture_output=True, text=True,
+                         timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    got = json.loads(run.stdout.strip().splitlines()[-1])
+    assert "rl_scaling.policy.cpu_kernels" not in got["modules"] and "rl_scaling.policy.model" in got["modules"]
+    args, kw = _sampler_args(H16)
+    want = sampler.sample(*args, **kw)
+    np.testing.assert_array_equal(np.asarray(got["tokens"]), np.asarray(want.tokens_BT))
+    np.testing.assert_allclose(np.asarray(got["logprobs"], np.float32), np.asarray(want.logprobs_BT), atol=2e-5)
+
+
+def test_model_source_has_no_cpu_plumbing():
+    """The model's modules name no CPU kernel, panel or backend: the seam is the sampler's."""
+    import inspect
+
+    from rl_scaling.policy import mlp
+
+    for module in (model_lib, mlp):
+        source = inspect.getsource(module)
+        assert "panels" not in source and "cpu_kernels" not in source.replace("policy/cpu_kernels.py", "")
 
 
 def test_switch_off_and_build_failure_fall_back(monkeypatch, tmp_path, caplog):

@@ -230,3 +230,49 @@ def test_train_loop_runs_pipeline_mode(tmp_path):
     steps = [r for r in rows if "rollout/staleness_max" in r]
     assert len(steps) == 4 and all(r["rollout/staleness_max"] <= 1 for r in steps)
     assert not pipeline_lib._OPEN  # closed at the end of the run
+
+
+def test_a_signal_ends_a_wait_for_rollouts(task):
+    b = _Scripted()  # never completes a group: the trainer would wait forever
+    pipe = _pipeline(b, task, k=1, policy="wait")
+    pipe.push_weights(None, 0)
+    signalled = []
+    pipe.interrupted = lambda: bool(signalled)
+    import threading
+
+    threading.Timer(0.3, lambda: signalled.append(1)).start()
+    t = time.time()
+    with pytest.raises(pipeline_lib.WaitInterrupted, match="outstanding prompt groups"):
+        pipe.next_batch()
+    assert 0.25 < time.time() - t < 3
+
+
+@pytest.mark.slow
+def test_sigterm_while_waiting_on_rollouts_saves_and_stops(tmp_path, monkeypatch):
+    """The generator stops producing after the first steps; SIGTERM during the trainer's wait saves the
+    last finished step and ends the run as a preemption (exit 75 in launch/run.py)."""
+    import os
+    import signal
+    import threading
+
+    from rl_scaling import preemption, train
+
+    real_poll, calls = pipeline_lib.EmbeddedBackend.poll, collections.Counter()
+
+    def stalling_poll(self, timeout):
+        out = real_poll(self, timeout)
+        calls["groups"] += len(out)
+        if calls["groups"] > 3 * 4:  # three steps' groups delivered, then nothing
+            if not calls["stalled"]:  # RL is running (its signal handler is in), and waits from now on
+                calls["stalled"] = 1
+                threading.Timer(1.0, os.kill, args=(os.getpid(), signal.SIGTERM)).start()
+            time.sleep(timeout)
+            return []
+        return out
+
+    monkeypatch.setattr(pipeline_lib.EmbeddedBackend, "poll", stalling_poll)
+    with pytest.raises(preemption.Preempted):
+        train.train(_tiny_run_config("pipeline", steps=50), str(tmp_path))
+    saved = sorted(int(p.name) for p in (tmp_path / "checkpoints").iterdir() if p.name.isdigit())
+    assert saved and 1 <= saved[-1] < 50  # the last finished step, not one that never ran
+    assert not pipeline_lib._OPEN

@@ -1,4 +1,8 @@
-"""The KV-cache sampler against full recomputes of the same model."""
+"""The KV-cache sampler against full recomputes of the same model. The "h16" variants have a head dim
+the CPU attention kernel accepts (policy/cpu_kernels.py), so on XLA:CPU their decode steps run the
+kernels and are checked against XLA's recompute."""
+
+import dataclasses
 
 import jax
 import jax.numpy as jnp
@@ -9,6 +13,18 @@ from rl_scaling.policy import model as model_lib
 from rl_scaling.rl import train_step as ts
 from rl_scaling.rollout import sampler
 from tests.conftest import TINY
+
+H16 = dataclasses.replace(TINY, head_dim=16)
+
+
+@pytest.fixture(scope="module", params=["tiny", "h16"])
+def model(request, tiny_params):
+    """(cfg, params): TINY, and TINY with head_dim 16."""
+    if request.param == "tiny":
+        return TINY, tiny_params
+    from flax import linen as nn
+
+    return H16, nn.unbox(model_lib.init_params(H16, jax.random.key(0)))
 
 
 def _prompts(B=6, P=5, seed=0):
@@ -42,15 +58,16 @@ def test_kv_cache_decode_matches_full_recompute(tiny_params):
     assert err < 1e-4, err
 
 
-def test_sampler_logprobs_match_teacher_forced_recompute(tiny_params):
+def test_sampler_logprobs_match_teacher_forced_recompute(model):
+    cfg, tiny_params = model
     tokens, mask = _prompts(B=8)
-    out = sampler.sample(tiny_params, tokens, mask, jax.random.key(3), cfg=TINY, max_new_tokens=12,
+    out = sampler.sample(tiny_params, tokens, mask, jax.random.key(3), cfg=cfg, max_new_tokens=12,
                          stop_tokens=(2,), pad_id=0, temperature=1.0)
     B, P = tokens.shape
     comp_mask = np.arange(12)[None] < np.asarray(out.lengths_B)[:, None]
     seq = np.concatenate([tokens, np.asarray(out.tokens_BT)], 1)
     seq_mask = np.concatenate([mask, comp_mask], 1)
-    recomputed = ts.token_logprobs(tiny_params, TINY, jnp.asarray(seq), jnp.asarray(seq_mask))[:, P - 1:]
+    recomputed = ts.token_logprobs(tiny_params, cfg, jnp.asarray(seq), jnp.asarray(seq_mask))[:, P - 1:]
     err = np.abs(np.where(comp_mask, np.asarray(recomputed) - np.asarray(out.logprobs_BT), 0)).max()
     assert err <= 1e-4, err
     assert comp_mask.sum() > B  # something was actually generated
@@ -71,13 +88,14 @@ def test_sampler_stops_lengths_and_truncation(tiny_params):
     assert out.truncated_B.any() and (~out.truncated_B).any()
 
 
-def test_low_temperature_is_greedy(tiny_params):
+def test_low_temperature_is_greedy(model):
+    cfg, tiny_params = model
     tokens, mask = _prompts(B=4)
-    out = sampler.sample(tiny_params, tokens, mask, jax.random.key(0), cfg=TINY, max_new_tokens=6, temperature=1e-4)
+    out = sampler.sample(tiny_params, tokens, mask, jax.random.key(0), cfg=cfg, max_new_tokens=6, temperature=1e-4)
     seq, seq_mask = tokens, mask
     for _ in range(6):  # greedy decode by full recompute
         pos = model_lib.positions_from_mask(seq_mask)
-        logits, _ = model_lib.Decoder(TINY).apply({"params": tiny_params}, seq, pos, seq_mask)
+        logits, _ = model_lib.Decoder(cfg).apply({"params": tiny_params}, seq, pos, seq_mask)
         nxt = np.asarray(logits[:, -1].argmax(-1))[:, None].astype(np.int32)
         seq, seq_mask = np.concatenate([seq, nxt], 1), np.concatenate([seq_mask, np.ones_like(nxt, bool)], 1)
     np.testing.assert_array_equal(np.asarray(out.tokens_BT), seq[:, tokens.shape[1]:])
@@ -115,11 +133,12 @@ def test_sharded_sampling_equals_single_device(monkeypatch):
 
 
 
-def test_group_prefill_equals_repeated_prompts(tiny_params):
+def test_group_prefill_equals_repeated_prompts(model):
     """group_size=G prefills each prompt once and shares its cache: the same tokens and log-probs
     as G copies of every prompt."""
+    cfg, tiny_params = model
     tokens, mask = _prompts(B=3)
-    kw = dict(cfg=TINY, max_new_tokens=8, stop_tokens=(2,), pad_id=0)
+    kw = dict(cfg=cfg, max_new_tokens=8, stop_tokens=(2,), pad_id=0)
     rep = sampler.sample(tiny_params, np.repeat(tokens, 4, 0), np.repeat(mask, 4, 0), jax.random.key(5), **kw)
     shared = sampler.sample(tiny_params, tokens, mask, jax.random.key(5), group_size=4, **kw)
     np.testing.assert_array_equal(np.asarray(shared.tokens_BT), np.asarray(rep.tokens_BT))
@@ -127,13 +146,14 @@ def test_group_prefill_equals_repeated_prompts(tiny_params):
     np.testing.assert_allclose(np.asarray(shared.logprobs_BT), np.asarray(rep.logprobs_BT), atol=1e-5)
 
 
-def test_growing_cache_segments_equal_one_full_length_loop(tiny_params):
+def test_growing_cache_segments_equal_one_full_length_loop(model):
     """cache_segments=2 decodes 32 steps as two loops over a cache grown in between: the tokens,
     lengths and interruptions of one loop over the full-length cache, log-probs to float32
     rounding. Stop tokens end some rows in each segment; thinking budgets run across the boundary."""
+    cfg, tiny_params = model
     tokens, mask = _prompts(B=12)
     think_budget = np.array([3, 14, 15, 16, 17, 40] * 2, np.int32)
-    kw = dict(cfg=TINY, max_new_tokens=32, stop_tokens=(7, 9), pad_id=0, think_budget_B=think_budget,
+    kw = dict(cfg=cfg, max_new_tokens=32, stop_tokens=(7, 9), pad_id=0, think_budget_B=think_budget,
               interrupt_tokens=(11, 12), think_end_id=12, answer_budget=3)
     one = jax.device_get(sampler.sample(tiny_params, tokens, mask, jax.random.key(4), cache_segments=1, **kw))
     two = jax.device_get(sampler.sample(tiny_params, tokens, mask, jax.random.key(4), cache_segments=2, **kw))

@@ -1,16 +1,22 @@
-"""A decode step's attention and matmuls on XLA:CPU as custom calls (the AVX-512 kernels in
-decode_attention.cc and decode_matmul.cc, sharing cpu_kernels.h).
+"""The CPU decode backend: a decode step's attention and matmuls on XLA:CPU as custom calls (the
+AVX-512 kernels in decode_attention.cc and decode_matmul.cc, sharing cpu_kernels.h).
 
-- Attention: XLA:CPU runs a decode step's attention as B*K tiny batched matmuls and a few
-  softmax fusions; the kernel does each (row, kv head) in one pass, rows split over XLA's
-  threads. At the RL step's generation shapes (256 rows, 64 new tokens) it takes a third off the
-  tiny preset's generation time and a fifth off the small preset's (launch/bench.py presets).
-- Matmuls of up to MAX_PANEL_ROWS rows (q/k/v, o, SwiGLU, LM head in decode steps and short
-  prefills): YNN runs the sampler's [64, 256] @ [256, 1024] at ~55% of the float32 peak inside
-  the decode loop. The kernel reads the weights as contiguous 32-column panels, laid out once
-  per sampling call (`decode_panels`, a "panels" variable collection the modules use when
-  present), at ~80%; SwiGLU's silu(gate) * up is computed in the same pass. The 64-row sampler
-  +27-37% at small, +40% at tiny; 256 rows (the RL step's generation): +3%.
+The one entry point is `decoding(cfg, params)`, a context manager that the sampler enters while it
+traces a sampling call (rollout/sampler.py imports this module optionally: without it every
+backend decodes with the model's own XLA code, the same tokens). Inside it, on a CPU backend,
+`flax.linen.intercept_methods` replaces the model's named methods with the kernels:
+
+- `Attention.attend` of a decode step (one float32 query per row, head_dim a multiple of 16):
+  XLA:CPU runs it as B*K tiny batched matmuls and a few softmax fusions; the kernel does each
+  (row, kv head) in one pass, rows split over XLA's threads.
+- `Attention.project_qkv`, `Attention.project_out`, `SwiGLU.__call__` and `Decoder.head` of calls
+  of up to MAX_PANEL_ROWS rows, float32 weights: the kernel reads the weights as contiguous
+  32-column panels, laid out once per sampling call from `params` (one kernel pass over the
+  stacked weights); SwiGLU's silu(gate) * up is computed in the same pass.
+- jax's unrolled threefry lowering on CPU (`_unrolled_threefry_on_cpu`), from the first decode on.
+
+The model's modules know nothing of this module; training never enters it. Speed history:
+docs/benchmarks.md.
 
 The sources are compiled on first use with the host's C++ compiler ($CXX, else c++) for this CPU
 (-march=native) into $XDG_CACHE_HOME/rl_scaling (default ~/.cache/rl_scaling), keyed by the
@@ -26,6 +32,7 @@ and have no gradient.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import functools
 import hashlib
@@ -35,14 +42,12 @@ import platform
 import subprocess
 import tempfile
 
-from typing import TYPE_CHECKING
-
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import linen as nn
 
-if TYPE_CHECKING:
-    from rl_scaling.policy.model import ModelConfig
+from rl_scaling.policy import mlp, model as model_lib
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
 SOURCES = tuple(os.path.join(_HERE, name) for name in ("decode_attention.cc", "decode_matmul.cc"))
@@ -53,8 +58,8 @@ TARGETS = {"RlScalingDecodeAttention": "rl_scaling_decode_attention",
 ATTENTION, MATMUL, SWIGLU, LAYOUT = TARGETS.values()
 ENV_SWITCH = "RL_SCALING_CPU_KERNELS"
 PANEL = 32  # columns per weight panel (decode_matmul.cc)
-# Rows up to which the panel kernel runs: YNN's own blocking is no faster at 256 and 1024 rows (a
-# prefill of 64 prompts of 16 tokens); beyond, unmeasured, XLA's matmul.
+# Rows up to which the panel kernel runs: XLA's own (YNN) blocking is no faster at 256 and 1024 rows
+# (a prefill of 64 prompts of 16 tokens); beyond, unmeasured, XLA's matmul.
 MAX_PANEL_ROWS = 1024
 
 
@@ -68,7 +73,7 @@ def attention_applies(q_BTKGH, k_BKSH, v_BKSH, dtype) -> bool:
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
 def decode_attention(q_BTKGH, k_BKSH, v_BKSH, mask_BTS, reference):
-    """`reference(q_BTKGH, k_BKSH, v_BKSH, mask_BTS)` (model._attend's XLA path, T = 1) computed
+    """`reference(q_BTKGH, k_BKSH, v_BKSH, mask_BTS)` (model._attend_cached, T = 1) computed
     by the kernel; the backward pass is the reference's."""
     B, _, K, G, H = q_BTKGH.shape
     out_BKGH = jax.ffi.ffi_call(ATTENTION, jax.ShapeDtypeStruct((B, K, G, H), jnp.float32), vmap_method="sequential")(
@@ -95,8 +100,8 @@ def panels(sources_LKN, layer: int, interleave: bool = False):
     """[P, K, 32] weight panels of `layer` of the stacks `sources_LKN` ([L, K, N_i] each), their
     columns concatenated: each 32-column block contiguous (decode_matmul.cc). interleave: two
     sources (SwiGLU's gate and up), each panel 16 columns of the first then the same 16 of the
-    second. On XLA:CPU one pass of the kernel (XLA's transposes ran at ~2 GB/s, 6% of a
-    sampling call); elsewhere `_panels_reference`."""
+    second. On XLA:CPU one pass of the kernel (faster than XLA's transposes: docs/benchmarks.md);
+    elsewhere `_panels_reference`."""
     N = sum(w.shape[2] for w in sources_LKN)
     out = jax.ShapeDtypeStruct((N // PANEL, sources_LKN[0].shape[1], PANEL), jnp.float32)
 
@@ -118,17 +123,17 @@ def _panels_reference(sources_LKN, layer, interleave):
     return w_KN.reshape(K, -1, PANEL).swapaxes(0, 1)
 
 
-def decode_panels(params, cfg: ModelConfig):
-    """{"panels": ...}: the projection, SwiGLU and LM head weights of `params` (stacked, as
-    trained) laid out as panels, once per sampling call, for `Decoder.apply`'s variables; the
-    modules take them through `module_panels`. {} where the kernels do not apply: another
-    backend, no kernels, a dtype other than float32."""
+def decode_panels(params, cfg: model_lib.ModelConfig):
+    """The projection, SwiGLU and LM head weights of `params` (stacked, as trained) laid out as
+    panels, once per sampling call: {"layers": ({"attn": {"qkv", "o"}, "mlp": {"gate_up", "down"}},
+    ...), "lm_head": ...}, each entry only where its columns fill whole panels. None where the
+    panel kernels do not apply: another backend, no kernels, a dtype other than float32."""
     if not (jax.default_backend() == "cpu" and cfg.dtype == cfg.param_dtype == "float32" and available()):
-        return {}
+        return None
     stacked, L, D = params["layers"], cfg.n_layers, cfg.d_model
     qkv_LDN = [stacked["attn"][n]["kernel"].reshape(L, D, -1) for n in ("q", "k", "v")]
     o_LND = stacked["attn"]["o"]["kernel"].reshape(L, -1, D)
-    mlp = stacked.get("mlp")
+    dense = stacked.get("mlp")
 
     def fits(*ws, width=PANEL):  # the sources' columns fill whole panels
         return sum(w.shape[-1] for w in ws) % width == 0
@@ -138,23 +143,113 @@ def decode_panels(params, cfg: ModelConfig):
         layer = {}
         if fits(*qkv_LDN) and fits(o_LND):
             layer["attn"] = {"qkv": panels(qkv_LDN, i), "o": panels([o_LND], i)}
-        if mlp is not None and fits(mlp["gate"]["kernel"], width=PANEL // 2) and fits(mlp["down"]["kernel"]):
-            layer["mlp"] = {"gate_up": panels([mlp["gate"]["kernel"], mlp["up"]["kernel"]], i, interleave=True),
-                             "down": panels([mlp["down"]["kernel"]], i)}
+        if dense is not None and fits(dense["gate"]["kernel"], width=PANEL // 2) and fits(dense["down"]["kernel"]):
+            layer["mlp"] = {"gate_up": panels([dense["gate"]["kernel"], dense["up"]["kernel"]], i, interleave=True),
+                            "down": panels([dense["down"]["kernel"]], i)}
         layers.append(layer)
     out = {"layers": tuple(layers)}
     head_DV = params["embed"].T if cfg.tie_embeddings else params["lm_head"]
     if fits(head_DV):
         out["lm_head"] = panels([head_DV[None]], 0)
-    return {"panels": out}
+    return out
 
 
-def module_panels(module, name: str, x_MK):
-    """The `name` panels a module was given (decode_panels) if x_MK @ them runs as the kernel
-    (float32, at most MAX_PANEL_ROWS rows); None otherwise, and the module runs XLA's matmul."""
-    if module.has_variable("panels", name) and _rows_fit(x_MK):
-        return module.get_variable("panels", name)
-    return None
+@contextlib.contextmanager
+def decoding(cfg: model_lib.ModelConfig, params=None):
+    """While tracing a sampling call: the decode steps' attention, and with `params` (stacked, as
+    trained; their panels are laid out here, once) the matmuls, run as the kernels on XLA:CPU.
+    Enter it inside the jitted function, around the prefill and the decode loop. Elsewhere (another
+    backend, RL_SCALING_CPU_KERNELS=0, no compiler) it changes nothing but the threefry lowering."""
+    if jax.default_backend() != "cpu":
+        yield
+        return
+    _unrolled_threefry_on_cpu()
+    if not available():
+        yield
+        return
+    with nn.intercept_methods(_Interceptor(cfg, None if params is None else decode_panels(params, cfg))):
+        yield
+
+
+class _Interceptor:
+    """Replaces the model's named methods (model.Attention.project_qkv, attend, project_out,
+    mlp.SwiGLU.__call__, model.Decoder.head) with the kernels where they apply, else calls them.
+    Decoding runs the layers one by one as `Block`s with a Python layer index; the interceptor
+    notes it to pick that layer's panels."""
+
+    def __init__(self, cfg, decode_panels_):
+        self.cfg, self.panels, self.layer = cfg, decode_panels_, None
+
+    def __call__(self, next_fun, args, kwargs, context):
+        module, name = context.module, context.method_name
+        if isinstance(module, model_lib.Block) and name == "__call__":
+            layer_idx = args[1] if len(args) > 1 else kwargs.get("layer_idx")
+            outer, self.layer = self.layer, layer_idx if isinstance(layer_idx, int) else None
+            try:
+                return next_fun(*args, **kwargs)
+            finally:
+                self.layer = outer
+        handler = self._HANDLERS.get((type(module), name))
+        out = handler(self, module, *args, **kwargs) if handler is not None and not kwargs else None
+        return next_fun(*args, **kwargs) if out is None else out
+
+    def _layer_panels(self, part, module):
+        if self.panels is None or self.layer is None:
+            return None
+        return self.panels["layers"][self.layer].get(part)
+
+    def _attend(self, module, q_BTKGH, k_BKSH, v_BKSH, mask_BTS):
+        dtype = mlp.DTYPES[self.cfg.dtype]
+        if module.query_offset is not None or not attention_applies(q_BTKGH, k_BKSH, v_BKSH, dtype):
+            return None
+        reference = functools.partial(model_lib._attend_cached, dtype=dtype)
+        return jax.lax.platform_dependent(q_BTKGH, k_BKSH, v_BKSH, mask_BTS, default=reference,
+                                          cpu=lambda *args: decode_attention(*args, reference))
+
+    def _project_qkv(self, module, x_BTD):
+        p = self._layer_panels("attn", module)
+        B, T, D = x_BTD.shape
+        x_MD = x_BTD.reshape(B * T, D)
+        if p is None or not _rows_fit(x_MD):
+            return None
+        w = module.variables["params"]
+        kernels_DN = [w[name]["kernel"].reshape(D, -1) for name in ("q", "k", "v")]
+        qkv_MN = matmul(x_MD, p["qkv"], lambda x: jnp.concatenate([x @ k for k in kernels_DN], -1))
+        n_q, n_k = kernels_DN[0].shape[1], kernels_DN[1].shape[1]
+        return tuple(y.reshape(B, T, -1, self.cfg.head_dim) for y in jnp.split(qkv_MN, [n_q, n_q + n_k], -1))
+
+    def _project_out(self, module, out_BTNH):
+        p = self._layer_panels("attn", module)
+        B, T = out_BTNH.shape[:2]
+        out_MN = out_BTNH.reshape(B * T, -1)
+        if p is None or not _rows_fit(out_MN):
+            return None
+        kernel_ND = module.variables["params"]["o"]["kernel"].reshape(out_MN.shape[1], self.cfg.d_model)
+        return matmul(out_MN, p["o"], lambda x: x @ kernel_ND).reshape(B, T, self.cfg.d_model)
+
+    def _swiglu(self, module, x_BTD):
+        # Only the layer's own MLP ("mlp" in Block), not an MoE layer's shared expert.
+        p = self._layer_panels("mlp", module) if module.name == "mlp" else None
+        x_ND = x_BTD.reshape(-1, x_BTD.shape[-1])
+        if p is None or not _rows_fit(x_ND):
+            return None
+        w = {name: module.variables["params"][name]["kernel"] for name in ("gate", "up", "down")}
+        h_NF = swiglu(x_ND, p["gate_up"], lambda x: nn.silu(x @ w["gate"]) * (x @ w["up"]))
+        out_ND = matmul(h_NF, p["down"], lambda h: h @ w["down"])
+        return out_ND.reshape(x_BTD.shape[:-1] + (self.cfg.d_model,))
+
+    def _head(self, module, x_BTD, kernel_DV):
+        head = None if self.panels is None else self.panels.get("lm_head")
+        B, T, D = x_BTD.shape
+        x_MD = x_BTD.reshape(B * T, D)
+        if head is None or not _rows_fit(x_MD):
+            return None
+        logits_MV = matmul(x_MD, head, lambda x: model_lib.lm_head(x, kernel_DV, self.cfg))
+        return logits_MV.reshape(B, T, -1)
+
+    _HANDLERS = {(model_lib.Attention, "attend"): _attend, (model_lib.Attention, "project_qkv"): _project_qkv,
+                 (model_lib.Attention, "project_out"): _project_out, (mlp.SwiGLU, "__call__"): _swiglu,
+                 (model_lib.Decoder, "head"): _head}
 
 
 def _rows_fit(x_MK) -> bool:
@@ -172,7 +267,7 @@ def swiglu(x_MK, panels_PKC, reference):
 
 
 def _on_cpu(target, N, x_MK, panels_PKC, reference):
-    # Not differentiable: only decoding (sampler.sample) lays out panels, and it never is.
+    # Not differentiable: only decoding (`decoding`, sampler.sample) lays out panels, and it never is.
     def kernel(x_MK, panels_PKC):
         return jax.ffi.ffi_call(target, jax.ShapeDtypeStruct((x_MK.shape[0], N), jnp.float32))(x_MK, panels_PKC)
 
@@ -233,3 +328,22 @@ def _build() -> str:
         raise RuntimeError(f"{compiler} exited with {out.returncode}: {out.stderr.strip()[-400:]}")
     os.replace(partial, path)
     return path
+
+
+# ---- the sampler's random draw -------------------------------------------------------------------
+
+@functools.cache
+def _unrolled_threefry_on_cpu():
+    """XLA:CPU gets jax's threefry hash as a rolled 5-iteration loop (smaller code); each decode
+    step's Gumbel noise then pays that loop's per-iteration overhead (docs/benchmarks.md). The unrolled lowering (jax's own, used on other platforms) computes the same
+    bits, so sampled tokens do not change. It is a private jax rule (jax._src), so it lives here,
+    with the rest of the CPU decode path, and is registered the first time `decoding` runs on a
+    CPU backend (for every later CPU lowering in the process; other jax layouts keep theirs)."""
+    try:
+        from jax._src.interpreters import mlir
+        from jax._src.random import threefry2x32
+    except ImportError:  # another jax layout: keep its default
+        return
+    rule = getattr(threefry2x32, "_threefry2x32_lowering_rule", None)
+    if rule is not None:
+        mlir.register_lowering(threefry2x32.threefry2x32_p, rule, platform="cpu")

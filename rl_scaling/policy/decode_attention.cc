@@ -4,7 +4,7 @@
 //
 // the same softmax as model._attend (masked slots get the lowest float, then exp(x - max) / sum),
 // in one pass over each (row, kv head)'s cache, rows split over XLA's intra-op threads. XLA
-// runs these as ~256 tiny batched matmuls and softmax fusions per step. AVX-512 only, head_dim a
+// runs these as tiny batched matmuls and softmax fusions (docs/benchmarks.md). AVX-512 only, head_dim a
 // multiple of 16; cpu_kernels.py builds this file with the host's compiler and falls back
 // to XLA's attention where it cannot.
 #include <cstdint>

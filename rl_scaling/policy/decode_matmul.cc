@@ -1,7 +1,7 @@
 // Matmuls of few rows on XLA:CPU: a decode step's projections, SwiGLU and LM head, [M, K] @ [K, N]
 // for M of one sampling batch (64-256 rows).
 //
-// YNN runs these at ~55% of the float32 peak inside the decode loop: a weight matrix does not fit
+// XLA's YNN runs these well below the float32 peak in the decode loop (docs/benchmarks.md): a weight matrix does not fit
 // in L2, and its column blocks, read row by row 4 KiB apart, defeat the hardware prefetcher. Here
 // the weights come as contiguous 32-column panels ([N / 32, K, 32], laid out once per sampling
 // call by cpu_kernels.py) and each panel is multiplied by 12 rows at a time, 24 accumulators in

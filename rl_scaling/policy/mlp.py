@@ -8,8 +8,6 @@ from typing import TYPE_CHECKING
 import jax.numpy as jnp
 from flax import linen as nn
 
-from rl_scaling.policy import cpu_kernels
-
 if TYPE_CHECKING:
     from rl_scaling.policy.model import ModelConfig
 
@@ -21,6 +19,9 @@ def dense_init():
 
 
 class SwiGLU(nn.Module):
+    """down(silu(gate(x)) * up(x)); a decoding backend may replace the whole call (see
+    model.Attention.project_qkv)."""
+
     cfg: ModelConfig
     hidden: int
 
@@ -37,12 +38,6 @@ class SwiGLU(nn.Module):
         # matmuls; with (batch, length) as two contracted axes XLA:CPU transposes the [N, F]
         # activation gradients inside their elementwise fusions, which dominated the step.
         x_ND = x_BTD.reshape(-1, x_BTD.shape[-1])
-        gate_up_panels = cpu_kernels.module_panels(self, "gate_up", x_ND)  # sampling on XLA:CPU
-        if gate_up_panels is not None:
-            w = {name: self.variables["params"][name]["kernel"] for name in ("gate", "up", "down")}
-            h_NF = cpu_kernels.swiglu(x_ND, gate_up_panels, lambda x: nn.silu(x @ w["gate"]) * (x @ w["up"]))
-            out_ND = cpu_kernels.matmul(h_NF, self.get_variable("panels", "down"), lambda h: h @ w["down"])
-            return out_ND.reshape(x_BTD.shape[:-1] + (cfg.d_model,))
         gate_NF = dense("gate", self.hidden, ("embed", "mlp"))(x_ND)
         up_NF = dense("up", self.hidden, ("embed", "mlp"))(x_ND)
         out_ND = dense("down", cfg.d_model, ("mlp", "embed"))(nn.silu(gate_NF) * up_NF)

@@ -20,7 +20,6 @@ JetStream slot can be at any position).
 from __future__ import annotations
 
 import dataclasses
-import functools
 from typing import Any
 
 import jax
@@ -28,7 +27,7 @@ import jax.numpy as jnp
 from flax import linen as nn
 
 from rl_scaling import sharding
-from rl_scaling.policy import cpu_kernels, moe
+from rl_scaling.policy import moe
 from rl_scaling.policy.mlp import DTYPES, SwiGLU, dense_init  # model_lib.DTYPES stays importable
 
 
@@ -50,7 +49,7 @@ class ModelConfig:
     remat: bool = False
     # Training: False runs the layers one after another (dense models; the params stay stacked)
     # instead of a scan, which saves XLA:CPU the zero-filled stacks of saved activations and
-    # their per-layer slices (~20% of a small model's train step) at the cost of compile time
+    # their per-layer slices (docs/benchmarks.md) at the cost of compile time
     # that grows with depth. Decoding always runs layer by layer.
     scan_layers: bool = True
     # >0: attention runs over blocks of this many queries under jax.checkpoint, so the
@@ -139,29 +138,11 @@ class Attention(nn.Module):
         global mask on this layer, else RoPE and the chunked "local" mask); q, k and the mask are
         selected elementwise, so attention runs once either way."""
         cfg = self.cfg
-        dtype, pdtype = DTYPES[cfg.dtype], DTYPES[cfg.param_dtype]
+        dtype = DTYPES[cfg.dtype]
         K, G, H = cfg.n_kv_heads, cfg.n_heads // cfg.n_kv_heads, cfg.head_dim
+        B, T, _ = x_BTD.shape
 
-        def proj(name, heads, axes):
-            return nn.DenseGeneral(
-                (heads, H), dtype=dtype, param_dtype=pdtype, use_bias=False, name=name,
-                kernel_init=nn.with_logical_partitioning(dense_init(), ("embed",) + axes),
-            )(x_BTD)
-
-        B, T, D = x_BTD.shape
-        x_MD = x_BTD.reshape(B * T, D)
-        qkv_panels = cpu_kernels.module_panels(self, "qkv", x_MD)  # sampling on XLA:CPU
-        if qkv_panels is not None:
-            w = self.variables["params"]
-            kernels_DN = [w[name]["kernel"].reshape(D, -1) for name in ("q", "k", "v")]
-            qkv_MN = cpu_kernels.matmul(x_MD, qkv_panels, lambda x: jnp.concatenate([x @ k for k in kernels_DN], -1))
-            n_q, n_k = kernels_DN[0].shape[1], kernels_DN[1].shape[1]
-            q_MN, k_MN, v_MN = jnp.split(qkv_MN, [n_q, n_q + n_k], -1)
-            q_BTNH, k_BTKH, v_BTKH = (y.reshape(B, T, -1, H) for y in (q_MN, k_MN, v_MN))
-        else:
-            q_BTNH = proj("q", cfg.n_heads, ("heads", "head_dim"))
-            k_BTKH = proj("k", K, ("kv_heads", "head_dim"))
-            v_BTKH = proj("v", K, ("kv_heads", "head_dim"))
+        q_BTNH, k_BTKH, v_BTKH = self.project_qkv(x_BTD)
         inv_freq = rope_frequencies(cfg)
         q_rope, k_rope = apply_rope(q_BTNH, positions_BT, inv_freq), apply_rope(k_BTKH, positions_BT, inv_freq)
         if cfg.use_qk_norm:
@@ -201,25 +182,42 @@ class Attention(nn.Module):
             out_nBCKGH = jax.lax.map(lambda qm: block(*qm), (split(q_BTKGH), tuple(map(split, masks))))
             out_BTKGH = out_nBCKGH.swapaxes(0, 1).reshape(B, n * C, K, G, H)[:, :T]
         else:
-            out_BTKGH = _attend(q_BTKGH, k_BKSH, v_BKSH, select(masks), dtype, self.query_offset)
-        out_BTNH = out_BTKGH.reshape(B, T, cfg.n_heads, H)
-        out_MN = out_BTNH.reshape(B * T, cfg.n_heads * H)
-        o_panels = cpu_kernels.module_panels(self, "o", out_MN)
-        if o_panels is not None:
-            kernel_ND = self.variables["params"]["o"]["kernel"].reshape(cfg.n_heads * H, cfg.d_model)
-            out_MD = cpu_kernels.matmul(out_MN, o_panels, lambda x: x @ kernel_ND)
-            return out_MD.reshape(B, T, cfg.d_model), new_cache_kv
-        out_BTD = nn.DenseGeneral(
-            cfg.d_model, axis=(-2, -1), dtype=dtype, param_dtype=pdtype, use_bias=False, name="o",
-            kernel_init=nn.with_logical_partitioning(dense_init(), ("heads", "head_dim", "embed")),
+            out_BTKGH = self.attend(q_BTKGH, k_BKSH, v_BKSH, select(masks))
+        return self.project_out(out_BTKGH.reshape(B, T, cfg.n_heads, H)), new_cache_kv
+
+    # The matmuls and the attention of a call, as named methods: a backend may replace them while it
+    # decodes (flax.linen.intercept_methods; policy/cpu_kernels.py on XLA:CPU) with the same math.
+    def project_qkv(self, x_BTD):
+        """(q [B, T, N, H], k [B, T, K, H], v [B, T, K, H])."""
+        cfg = self.cfg
+        dtype, pdtype = DTYPES[cfg.dtype], DTYPES[cfg.param_dtype]
+
+        def proj(name, heads, axes):
+            return nn.DenseGeneral(
+                (heads, cfg.head_dim), dtype=dtype, param_dtype=pdtype, use_bias=False, name=name,
+                kernel_init=nn.with_logical_partitioning(dense_init(), ("embed",) + axes),
+            )(x_BTD)
+
+        return (proj("q", cfg.n_heads, ("heads", "head_dim")), proj("k", cfg.n_kv_heads, ("kv_heads", "head_dim")),
+                proj("v", cfg.n_kv_heads, ("kv_heads", "head_dim")))
+
+    def attend(self, q_BTKGH, k_BKSH, v_BKSH, mask_BTS):
+        """Softmax attention of the call's queries over the keys (_attend)."""
+        return _attend(q_BTKGH, k_BKSH, v_BKSH, mask_BTS, DTYPES[self.cfg.dtype], self.query_offset)
+
+    def project_out(self, out_BTNH):
+        """The output projection, [B, T, N, H] -> [B, T, D]."""
+        cfg = self.cfg
+        return nn.DenseGeneral(
+            cfg.d_model, axis=(-2, -1), dtype=DTYPES[cfg.dtype], param_dtype=DTYPES[cfg.param_dtype], use_bias=False,
+            name="o", kernel_init=nn.with_logical_partitioning(dense_init(), ("heads", "head_dim", "embed")),
         )(out_BTNH)
-        return out_BTD, new_cache_kv
 
 
 # Training attention runs as up to this many blocks of queries, each over the keys up to its last
-# query (the rest are masked): 5/8 of the [T, T] scores, ~4% of the tiny and small presets' train
-# step at 80 tokens. Blocks of fewer than MIN_CAUSAL_BLOCK queries cost more in extra kernels
-# than they save (XLA:CPU, 31 tokens: 8% slower), so short sequences keep one block.
+# query (the rest are masked): 5/8 of the [T, T] scores at 80 tokens. Blocks of fewer than
+# MIN_CAUSAL_BLOCK queries cost more in extra kernels than they save, so short sequences keep one
+# block (measurements: docs/benchmarks.md).
 CAUSAL_BLOCKS, MIN_CAUSAL_BLOCK = 4, 16
 
 
@@ -238,17 +236,13 @@ def causal_blocks(T: int) -> list[tuple[int, int]]:
 
 def _attend(q_BTKGH, k_BKSH, v_BKSH, mask_BTS, dtype, query_offset=None):
     """Softmax attention of T queries over S keys; scores and softmax in float32. Training:
-    causal blocks; a decode step on XLA:CPU: the cpu_kernels kernel; else _attend_cached,
-    in causal blocks too where every row's queries sit at cache slots [query_offset, +T)."""
+    causal blocks; with a cache _attend_cached, in causal blocks too where every row's queries
+    sit at cache slots [query_offset, +T)."""
     B, T, K, G, H = q_BTKGH.shape
     if T == k_BKSH.shape[2] and T > 1:  # training: the queries are the keys
         return _in_causal_blocks(_attend_block, q_BTKGH, k_BKSH, v_BKSH, mask_BTS, dtype, 0)
     if query_offset is not None and T > 1:
         return _in_causal_blocks(_attend_cached, q_BTKGH, k_BKSH, v_BKSH, mask_BTS, dtype, query_offset)
-    if cpu_kernels.attention_applies(q_BTKGH, k_BKSH, v_BKSH, dtype):  # a decode step on XLA:CPU: one custom call
-        reference = functools.partial(_attend_cached, dtype=dtype)
-        return jax.lax.platform_dependent(q_BTKGH, k_BKSH, v_BKSH, mask_BTS, default=reference,
-                                          cpu=lambda *args: cpu_kernels.decode_attention(*args, reference))
     return _attend_cached(q_BTKGH, k_BKSH, v_BKSH, mask_BTS, dtype)
 
 
@@ -263,8 +257,8 @@ def _in_causal_blocks(attend, q_BTKGH, k_BKSH, v_BKSH, mask_BTS, dtype, offset):
 def _attend_cached(q_BTKGH, k_BKSH, v_BKSH, mask_BTS, dtype):
     """_attend over a cache (decode, prefill) as XLA ops. The queries of a kv head are one
     [G*T, H] matrix, so both matmuls are plain batched matmuls over (B, K) whose outputs need
-    no transpose: XLA:CPU runs a decode step's probs x V that way ~5x faster than with the
-    (t, g) output layout."""
+    no transpose: XLA:CPU runs a decode step's probs x V that way several times faster than with
+    the (t, g) output layout (docs/benchmarks.md)."""
     B, T, K, G, H = q_BTKGH.shape
     q_BKQH = q_BTKGH.transpose(0, 2, 3, 1, 4).reshape(B, K, G * T, H)  # Q = (g, t)
     if T == 1:  # a decode step
@@ -284,8 +278,8 @@ def _scores(q_BKQH, k_BKSH):
 
 def _scores_keys_first(q_BKQH, k_BKSH):
     """The same scores as keys x queries^T, then transposed: XLA:CPU runs a decode step's
-    [S, H] x [H, G] batched matmul ~2x faster than [G, H] x [H, S] (its attention: -30%). The
-    barrier keeps XLA from folding the transpose back into the dot's output layout."""
+    [S, H] x [H, G] batched matmul faster than [G, H] x [H, S] (docs/benchmarks.md). The barrier
+    keeps XLA from folding the transpose back into the dot's output layout."""
     scores_BKSQ = jnp.einsum("bksh,bkqh->bksq", k_BKSH, q_BKQH, preferred_element_type=jnp.float32)
     return jax.lax.optimization_barrier(scores_BKSQ).swapaxes(2, 3)
 
@@ -419,12 +413,10 @@ class Decoder(nn.Module):
             per_layer = self.variables["params"]["layers"]
             if not isinstance(per_layer, (list, tuple)):
                 per_layer = split_layers({"layers": per_layer})["layers"]
-            panels = self.variables.get("panels", {}).get("layers")  # cpu_kernels.decode_panels
             new_k, new_v, expert_idx = [], [], []
             for i, layer_params in enumerate(per_layer):
                 kv = None if cache is None else (cache["k"][i], cache["v"][i])
-                layer_variables = {"params": layer_params, **({"panels": panels[i]} if panels else {})}
-                x_BTD, kv, idx_SK = run_layer(layer_variables, x_BTD, kv, i)
+                x_BTD, kv, idx_SK = run_layer({"params": layer_params}, x_BTD, kv, i)
                 expert_idx.append(idx_SK)
                 # The scan's carry stores the residual stream in cfg.dtype between layers; without
                 # the barrier XLA fuses across layers and skips that rounding, and a bfloat16
@@ -447,13 +439,7 @@ class Decoder(nn.Module):
             )
         if return_hidden:
             return x_BTD, kernel_DV
-        x_MD = x_BTD.reshape(B * T, cfg.d_model)
-        head_panels = cpu_kernels.module_panels(self, "lm_head", x_MD)  # sampling on XLA:CPU
-        if head_panels is not None:
-            logits_MV = cpu_kernels.matmul(x_MD, head_panels, lambda x: lm_head(x, kernel_DV, cfg))
-            logits_BTV = logits_MV.reshape(B, T, cfg.vocab_size)
-        else:
-            logits_BTV = lm_head(x_BTD, kernel_DV, cfg)
+        logits_BTV = self.head(x_BTD, kernel_DV)
 
         if cache is None:
             return logits_BTV, None
@@ -462,6 +448,11 @@ class Decoder(nn.Module):
             "index": cache_index_B + T,
         }
         return logits_BTV, new_cache
+
+    def head(self, x_BTD, kernel_DV):
+        """The LM head's logits [B, T, V] in float32 (lm_head); a named method that a decoding
+        backend may replace (see Attention.project_qkv)."""
+        return lm_head(x_BTD, kernel_DV, self.cfg)
 
 
 def lm_head(x_BTD, kernel_DV, cfg: ModelConfig):

@@ -264,7 +264,9 @@ class PolicyEngine(engine_api.Engine):
 
     def _apply(self, params, tokens_BT, *args):
         """(logits, cache, routing [B, T, n_layers, k] int32 or None)."""
-        with sharding.tracing_mesh(self._mesh):  # activation constraints and the MoE shard_map read it
+        # the mesh: activation constraints and the MoE shard_map read it; decode_backend: the CPU decode
+        # kernels where present (no params: one generate call is one step, a panel layout per step would cost more)
+        with sharding.tracing_mesh(self._mesh), sampler.decode_backend(self.cfg):
             decoder = model_lib.Decoder(self.cfg)
             if not self.record_routing:
                 return (*decoder.apply({"params": params}, tokens_BT, *args), None)

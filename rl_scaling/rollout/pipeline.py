@@ -76,6 +76,11 @@ MODES = ("sync", "pipeline")
 STALE_POLICIES = ("wait", "drop")
 
 
+class WaitInterrupted(Exception):
+    """A signal arrived while the trainer waited for rollouts (Pipeline.interrupted said so): the caller
+    saves its last finished step instead of waiting on."""
+
+
 class StepData(NamedTuple):
     prompt_tokens: np.ndarray  # [P*G, max_prompt_len] left-padded, as collect.generate returns
     prompt_mask: np.ndarray
@@ -155,6 +160,7 @@ class Pipeline:
         self.policy, self.poll_s, self.stall_s = stale_policy, poll_s, stall_s
         self.routing_shape = None if routing_shape is None else tuple(routing_shape)  # (n_layers, k) under r3
         self.wait_log_s = wait_log_s
+        self.interrupted = None  # () -> bool, polled while waiting: True raises WaitInterrupted (a preemption)
         cap = queue_size or 2 * self.P
         if cap < self.P:
             raise ValueError(f"config.rollout.queue_size={queue_size} must be at least prompts_per_step={self.P} (or 0: auto)")
@@ -296,6 +302,9 @@ class Pipeline:
         chosen = None
         next_log = time.perf_counter() + self.wait_log_s
         while chosen is None:
+            if self.interrupted is not None and self.interrupted():
+                raise WaitInterrupted(f"a signal arrived after {time.perf_counter() - t_call:.0f} s of waiting for "
+                                      f"{len(self._outstanding)} outstanding prompt groups")
             if time.perf_counter() >= next_log:
                 next_log += self.wait_log_s
                 self._log_wait(time.perf_counter() - t_call)

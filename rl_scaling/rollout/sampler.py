@@ -14,35 +14,35 @@ Forced interruption (ScaleRL's length control): when `think_budget_B` is given, 
 that has produced that many tokens without closing its thinking gets
 `interrupt_tokens` injected (one per step, teacher-forced, marked in `forced_BT`), then
 `answer_budget` more tokens to answer.
+
+Backends: a sampling call is traced inside `decode_backend`, where the optional CPU backend
+(policy/cpu_kernels.py) runs the decode steps' attention and matmuls as kernels on XLA:CPU.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 
-from rl_scaling.policy import cpu_kernels, model as model_lib, moe
+from rl_scaling.policy import model as model_lib, moe
+
+try:  # the CPU decode backend (kernels on XLA:CPU); without it every backend decodes with XLA's code
+    from rl_scaling.policy import cpu_kernels
+except ModuleNotFoundError as e:
+    if e.name != "rl_scaling.policy.cpu_kernels":
+        raise
+    cpu_kernels = None
 
 
-def _unrolled_threefry_on_cpu():
-    """XLA:CPU gets jax's threefry hash as a rolled 5-iteration loop (smaller code); each decode
-    step's Gumbel noise then pays that loop's per-iteration overhead, ~25% of a small model's
-    sampling time. The unrolled lowering (jax's own, used on other platforms) computes the
-    same bits, so sampled tokens do not change."""
-    try:
-        from jax._src.interpreters import mlir
-        from jax._src.random import threefry2x32
-    except ImportError:  # another jax layout: keep its default
-        return
-    rule = getattr(threefry2x32, "_threefry2x32_lowering_rule", None)
-    if rule is not None:
-        mlir.register_lowering(threefry2x32.threefry2x32_p, rule, platform="cpu")
-
-
-_unrolled_threefry_on_cpu()
+def decode_backend(cfg: model_lib.ModelConfig, params=None):
+    """The context a sampling call traces its prefill and decode steps in: the CPU kernels where
+    the backend module is present (`cpu_kernels.decoding`, which lays out `params`' weight panels
+    once), else nothing."""
+    return contextlib.nullcontext() if cpu_kernels is None else cpu_kernels.decoding(cfg, params)
 
 
 CACHE_SEGMENTS = 4  # the default; config.rollout.cache_segments
@@ -87,9 +87,16 @@ def sample(params, prompt_BP, prompt_mask_BP, rng, *, cfg: model_lib.ModelConfig
     and its KV cache and last logits repeated for the group's G rows (row b samples from prompt
     b // G), so prefill costs 1/G. Tokens and log-probs are those of G copies of each prompt.
     record_routing (an MoE cfg): also return the experts of every token fed (Samples.routing_BSLK)."""
+    with decode_backend(cfg, params):
+        return _sample(params, prompt_BP, prompt_mask_BP, rng, cfg, max_new_tokens, temperature, stop_tokens, pad_id,
+                       think_budget_B, interrupt_tokens, think_end_id, answer_budget, group_size, cache_segments,
+                       record_routing)
+
+
+def _sample(params, prompt_BP, prompt_mask_BP, rng, cfg, max_new_tokens, temperature, stop_tokens, pad_id,
+            think_budget_B, interrupt_tokens, think_end_id, answer_budget, group_size, cache_segments, record_routing):
     decoder = model_lib.Decoder(cfg)
-    variables = {"params": model_lib.split_layers(params),  # once per call, as the CPU kernels' panels
-                 **cpu_kernels.decode_panels(params, cfg)}
+    variables = {"params": model_lib.split_layers(params)}  # once per call: a step never copies a layer out
     record_routing = bool(record_routing and cfg.num_experts)
 
     def apply(tokens_BT, *args):
