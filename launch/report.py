@@ -177,6 +177,12 @@ def sizes_section(results):
         s = recs[size]
         lines.append(f"| {size} | {tiny.param_count(size):,} | {_a(s)} | {s['B']:.2f} | {s['C_mid']:.3g} | "
                      f"{s['shape']['power_law']['A']:.3f} | {s['window']['c_max']:.3g} | {_flags(s)} |")
+    unmeasured = [z for z in recs if recs[z]["A"] is None]
+    if unmeasured:
+        lines.append(f"- At 768k samples the ceilings of size(s) {', '.join(unmeasured)} are not identifiable (their "
+                     "windows end before most of the gain): these sizes need larger budgets before the axis says "
+                     "whether a larger policy reaches a higher ceiling; `make results-sizes` with a larger "
+                     "`samples=` resumes them.")
     order = sorted(recs, key="sml".index)
     for small, large in zip(order, order[1:]):
         a, b = recs[small], recs[large]
