@@ -262,7 +262,7 @@ def _diagnose(runs, c, y, g, main, fitted, fit_free_r0, extras, opts):
     fit (`fitted`), the decline and late-dip tests, the still-rising test of the last quarter against the
     pooled fit, the best straight-line baseline and a missed hold-out prediction."""
     res = y - fitted
-    n_free = sum(4 for _ in np.unique(g))
+    n_free = 4 * np.unique(g).size  # each seed's own fit: A, B, C_mid, R0
     out = {"runs": diagnostics.runs_test(res, g),
            "decline": diagnostics.decline_test(c, y, g),
            "late_dip": diagnostics.late_dip_test(c, y, g, fit_free_r0, opts.eval_sd),

@@ -23,10 +23,10 @@ from rl_scaling.scaling.errors import ScalingDataError
 SHAPES = ("sigmoid", "power_law")
 
 
-def _seed_sd_at(own_predictions):
+def _seed_sd_at(own_predictions, n_targets):
     """sd over seeds of their own fits' predictions (S, K) at K computes; zeros with one seed."""
     own = np.asarray(own_predictions, dtype=float)
-    return own.std(axis=0, ddof=1) if own.shape[0] > 1 else np.zeros(own.shape[1])
+    return own.std(axis=0, ddof=1) if len(own) > 1 else np.zeros(n_targets)
 
 
 def _intervals(point, reps, new_noise, seed_sd, n_seeds, dof, level, rng):
@@ -69,7 +69,7 @@ def predict_both(runs, targets, seed_seq, opts: api.Options | None = None):
             pass
     point = res.fit.predict(targets)
     one, mean = _intervals(point, res.boot.predict(targets), res.boot.noise,
-                           _seed_sd_at(sig_own) if len(sig_own) > 1 else np.zeros(targets.size), S,
+                           _seed_sd_at(sig_own, targets.size), S,
                            res.boot.dof, level, rng)
     s = res.summary()
     out["sigmoid"] = {"A": res.fit.A, "B": res.fit.B, "C_mid": res.fit.C_mid, "R0": res.fit.R0,
@@ -82,7 +82,7 @@ def predict_both(runs, targets, seed_seq, opts: api.Options | None = None):
     pw_own = [compare.predict_power_law(targets, p) for p in (compare.own_power(c[g == lab], y[g == lab], opts.a_bounds)
                                                    for lab in np.unique(g)) if p]
     point = compare.predict_power_law(targets, pooled)
-    one, mean = _intervals(point, reps, new, _seed_sd_at(pw_own) if len(pw_own) > 1 else np.zeros(targets.size),
+    one, mean = _intervals(point, reps, new, _seed_sd_at(pw_own, targets.size),
                            S, dof, level, rng)
     a_ci = unc.interval(theta[:, 0], level, dof)
     out["power_law"] = {"A": pooled["A"], "B": pooled["B"], "D": pooled["D"], "ci": {"A": a_ci.tolist()},
