@@ -21,7 +21,10 @@ HOST_BYTES_PER_TOKEN = 16
 
 
 def _choice(config, dotted, valid):
+    """A named choice; a field the config leaves out (a preset's model) keeps its checked default."""
     section, field = dotted.split(".")
+    if field not in config[section]:
+        return
     if config[section][field] not in valid:
         raise ValueError(f"config.{dotted}={config[section][field]!r} is not valid; choose one of {sorted(valid)}")
 

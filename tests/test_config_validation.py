@@ -101,3 +101,21 @@ def test_moe_switches_are_named_choices(flag, value):
     config[section][field] = value
     with pytest.raises(ValueError, match=flag.replace(".", r"\.")):
         config_lib.validate(config)
+
+
+def test_full_size_configs_validate():
+    """The pod configs pass the same checks as tiny (their model sections come from a preset)."""
+    from configs import dense_8b, scout_moe
+
+    for mod in (dense_8b, scout_moe):
+        config = mod.get_config()
+        config_lib.validate(config)
+        cfg = config_lib.model_config(config)
+        assert cfg.remat and cfg.attn_query_chunk and cfg.dtype == "bfloat16" and cfg.param_dtype == "float32"
+        assert cfg.fp32_lm_head and config.rl.logprob_chunk
+        assert (config.rollout.prompts_per_step, config.rollout.samples_per_prompt) == (48, 16)
+        assert config.task.max_prompt_len + config.rollout.max_new_tokens == 16384
+        assert (config.optim.lr, config.optim.warmup_steps, config.optim.eps, config.optim.weight_decay) == (
+            5e-7, 100, 1e-15, 0.01)
+    assert config_lib.model_config(scout_moe.get_config()).num_experts == 16
+
