@@ -53,11 +53,11 @@ def get_config(arg=None):
         router_aux_loss_coef=0.001,  # Switch load balancing, coef * E * sum_e f_e * P_e, mean over layers
         moe_indivisible="warn",  # "error" once a --dry_run has shown every step's shapes divide (not run yet)
     ))
-    # r2, not r3: r3 replays the generator's recorded experts, which the JetStream engine that
-    # PipelineRL-8 uses does not record yet (only the sync sampler does), and Scout's dry run with
-    # replay has not been run. With num_minibatches=1, r2 replays the routing of the params the step
-    # starts from, which is its own: nothing is replayed until PPO-off-policy-k (num_minibatches > 1).
-    config.rl.routing_replay = "r2"
+    # r3: the trainer replays the experts the generator chose for each token (the JetStream engines
+    # record them; ~12.6 MB per group of 16 x 16,384 tokens on the wire, one byte per expert id), so
+    # the generator/trainer mismatch is not amplified by routing flips. The train step's dry run with
+    # it: 73.6 GiB per chip of 95 (--dry_run --dry_run_steps=train, 2026-12-05).
+    config.rl.routing_replay = "r3"
     config.rl.grad_accum = 12
     config.rollout.engine_slots = 128
     config.rollout.push_dtype = "bfloat16"  # 216 GB a version instead of 431 GB, the LM head float32

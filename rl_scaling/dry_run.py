@@ -258,7 +258,11 @@ def compile_train(config) -> dict:
              "loss_mask": jax.ShapeDtypeStruct((N, L), jnp.float32),
              "old_logp": jax.ShapeDtypeStruct((N, L), jnp.float32),
              "rewards": jax.ShapeDtypeStruct((P, G), jnp.float32)}
-    step = ts.jit_step(ts.rl_step, state_sh, mesh, model_cfg=cfg, rl_cfg=config.rl, optimizer=optimizer)
+    replay = ts.replay_mode(config.rl, cfg)
+    if replay == "r3":  # the generator's experts of every token and layer ride in the batch
+        batch["routing"] = jax.ShapeDtypeStruct((N, L, cfg.n_layers, cfg.num_experts_per_tok), jnp.int32)
+    step = ts.jit_step(ts.rl_step, state_sh, mesh, batch_keys=ts.rl_batch_keys(config.rl, cfg), model_cfg=cfg,
+                       rl_cfg=config.rl, optimizer=optimizer)
     t0 = time.time()
     with _compile_errors("train", tpu.train_topology, capacity):
         compiled = step.lower(abstract_state, batch).compile()
@@ -279,6 +283,7 @@ def compile_train(config) -> dict:
     traffic = moe_traffic(cfg, dict(mesh.shape), N, L, config.rl.num_minibatches * config.rl.grad_accum)
     if traffic:
         result["moe_impl"] = cfg.moe_impl
+        result["routing_replay"] = replay
         result["moe_traffic"] = {k: dict(v, time_s=v["total"] / (chip.ici_gbps / 8 * 1e9)) for k, v in traffic.items()}
         result["collectives"] = _collective_ops(compiled)
     return result
@@ -434,7 +439,8 @@ def format_result(r: dict) -> str:
         lines.append(f"  est. step time: {r['time_roofline_s']:.1f} s at 100% of bf16 peak (MFU {100 * r['mfu_roofline']:.0f}%),"
                      f" {r['time_est_s']:.1f} s at {100 * UTILISATION:.0f}% (MFU {100 * r['mfu_est']:.0f}%)")
         if "moe_traffic" in r:
-            lines.append(f"  routed experts (model.moe_impl={r['moe_impl']!r}; compiled: {r['collectives']}):")
+            lines.append(f"  routed experts (model.moe_impl={r['moe_impl']!r}, rl.routing_replay={r['routing_replay']!r}; "
+                         f"compiled: {r['collectives']}):")
             for name, t in r["moe_traffic"].items():
                 lines.append(f"    {name:15s} {t['total'] / 1e9:7.0f} GB per chip per step (tokens {t['tokens'] / 1e9:.0f}"
                              f" + weights {t['weights'] / 1e9:.0f}), {t['time_s']:.1f} s at full ICI bandwidth;"

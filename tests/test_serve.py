@@ -82,6 +82,29 @@ def test_pipeline_over_grpc_exact_logprobs_and_versions(mesh1, tiny_params):
     assert not srv.generator.alive
 
 
+def test_fetch_replies_are_bounded_in_bytes_and_lose_no_group(mesh1, tiny_params):
+    """reply_bytes=1: every Fetch reply carries exactly one group (a Scout group with its routing is
+    ~16 MB, several would pass the client's message limit), and the rest follow in the next ones."""
+    eng = _engine(mesh1)
+    srv = server_lib.RolloutServer(eng, eng.load_params(), host="127.0.0.1", port=0, reply_bytes=1).start()
+    pipe = None
+    try:
+        backend = server_lib.RemoteBackend(srv.address, reconnect_s=5)
+        per_reply, poll = [], backend.poll
+        backend.poll = lambda timeout: per_reply.append(poll(timeout)) or per_reply[-1]
+        pipe = _pipeline(backend)
+        pipe.push_weights(tiny_params, 0)
+        seen = set()
+        for _ in range(3):
+            seen.update(pipe.next_batch().sample_ids.tolist())
+        assert len(seen) == 3 * P * G
+        assert max(len(r) for r in per_reply) == 1 and sum(len(r) for r in per_reply) >= 3 * P
+    finally:
+        if pipe is not None:
+            pipe.close()
+        srv.stop()
+
+
 class _FailingEngine(engine_lib.PolicyEngine):
     def generate(self, params, decode_state):
         raise RuntimeError("injected: device lost")

@@ -268,9 +268,8 @@ def rl_step(state, batch, *, model_cfg, rl_cfg, optimizer, mesh=None, prompt_len
     M, A = rl_cfg.num_minibatches, rl_cfg.grad_accum
     replay = replay_mode(rl_cfg, model_cfg)
     if replay == "r3" and "routing" not in batch:
-        raise ValueError("rl.routing_replay='r3' needs the generator's routing in the batch (batch['routing'], "
-                         "from the sampler's record_routing); the JetStream engine (rollout.mode='pipeline') does "
-                         "not record it yet: use rl.routing_replay='r2' or 'off' there")
+        raise ValueError("rl.routing_replay='r3' needs the generator's routing in the batch (batch['routing']: "
+                         "the sampler's or the engine's record_routing)")
     old_params = state["params"]  # r2 replays the routing of the params the batch starts from
     # Per-sample arrays [N, L] (a prompt's G samples contiguous) -> minibatches of whole prompts.
     data = {k: batch[k] for k in ("tokens", "token_mask", "loss_mask", "old_logp", "routing") if k in batch}

@@ -86,6 +86,9 @@ log = logging.getLogger(__name__)
 SESSION_METADATA = "x-rl-scaling-session"
 MAX_SAMPLES = 4096  # per group: a bigger request is refused, not allowed to exhaust host memory
 MAX_FETCH_S = 60.0  # longest Fetch long-poll
+# A Fetch reply carries whole groups up to this many bytes (at least one group): a Scout group with
+# its routing is ~16 MB, and the client refuses messages over wire.MAX_MESSAGE.
+REPLY_BYTES = 32 << 20
 
 
 MAX_VERSION = 2**31 - 1  # the engine records each token's policy version as int32
@@ -211,8 +214,10 @@ class RolloutServer:
     def __init__(self, engine, holder, *, host: str = "127.0.0.1", port: int = 0, fingerprint: dict | None = None,
                  resend_s: float = 10.0, threads: int = 8, jetstream: bool = False, token: str = "",
                  max_submit_samples: int = 1 << 16, max_pending: int = 4096, max_fetches: int = 4,
-                 weights_dir: str = "", poll_s: float = 1.0, session_lease_s: float = SESSION_LEASE_S):
+                 weights_dir: str = "", poll_s: float = 1.0, session_lease_s: float = SESSION_LEASE_S,
+                 reply_bytes: int = REPLY_BYTES):
         self.engine, self.holder = engine, holder
+        self.reply_bytes = reply_bytes
         self.generator = generator_lib.Generator(engine, holder).start()
         self.instance = uuid.uuid4().hex
         self.fingerprint = fingerprint or {}
@@ -463,13 +468,16 @@ class RolloutServer:
                     self._completed[r.group_id] = [r, None]
                 except queue.Empty:
                     pass
-            arrays, groups = {}, []
+            arrays, groups, size = {}, [], 0
             for gid in send:
                 entry = self._completed[gid]
+                group = result_arrays(entry[0], self.engine.cfg.num_experts)  # routing_<id> too when recorded
+                size += sum(np.asarray(a).nbytes for a in group.values())
+                if groups and size > self.reply_bytes:  # the rest go in the next reply, at once
+                    break
                 entry[1] = now
-                r = entry[0]
                 groups.append({"id": gid})
-                arrays.update(result_arrays(r, self.engine.cfg.num_experts))  # routing_<id> too when recorded
+                arrays.update(group)
         return pack({"groups": groups, "stats": self._stats(), "error": err, "instance": self.instance}, arrays)
 
     def _push_weights(self, request_iterator, context) -> bytes:
