@@ -148,9 +148,11 @@ def _surely_process_0() -> bool:
 
 
 def _lock_or_exit(lock):
+    from rl_scaling import paths
+
     try:
         lock.acquire(_WORKDIR.value)
-    except lock.LockHeld as e:
+    except (lock.LockHeld, paths.StorageError) as e:  # the storage error names the path and the endpoint
         _fail(e, e)
     except Exception as e:  # noqa: BLE001 - OSError locally; client/network errors on gs://
         _fail(f"--workdir={_WORKDIR.value} is not writable: {type(e).__name__}: {e}", e)

@@ -111,9 +111,7 @@ class _LocalLock(WorkdirLock):
 class _GCSLock(WorkdirLock):
     def __init__(self, workdir: str):
         super().__init__(workdir)
-        import fsspec
-
-        self.fs = fsspec.filesystem("gs")
+        self.fs = paths.gcs_filesystem()
         self.bucket, self.key = self.path[len("gs://"):].split("/", 1)
         self.generation, self.beat = None, 0.0
 
@@ -121,17 +119,20 @@ class _GCSLock(WorkdirLock):
         """Write the holder record if the object's generation is `if_generation` (0: absent);
         the new generation, or FileExistsError when the precondition fails."""
         self.holder["heartbeat"] = time.time()
-        out = self.fs.call("POST", f"{self.fs._location}/upload/storage/v1/b/{self.bucket}/o", uploadType="media",
-                           name=self.key, ifGenerationMatch=str(if_generation), data=json.dumps(self.holder).encode(),
-                           headers={"Content-Type": "application/octet-stream"}, json_out=True)
+        out = paths.storage_call("write", self.path, self.fs.call, "POST",
+                                 f"{paths.endpoint()}/upload/storage/v1/b/{self.bucket}/o", uploadType="media",
+                                 name=self.key, ifGenerationMatch=str(if_generation),
+                                 data=json.dumps(self.holder).encode(),
+                                 headers={"Content-Type": "application/octet-stream"}, json_out=True)
         return int(out["generation"])
 
     def _read(self):
         """(holder record, generation), or (None, None) when there is no lock object."""
         try:
-            info = self.fs.call("GET", "b/{}/o/{}", self.bucket, self.key, json_out=True)
-            _, body = self.fs.call("GET", "b/{}/o/{}", self.bucket, self.key, alt="media",
-                                   ifGenerationMatch=info["generation"])
+            info = paths.storage_call("stat", self.path, self.fs.call, "GET", "b/{}/o/{}", self.bucket, self.key,
+                                      json_out=True)
+            _, body = paths.storage_call("read", self.path, self.fs.call, "GET", "b/{}/o/{}", self.bucket, self.key,
+                                         alt="media", ifGenerationMatch=info["generation"])
         except FileNotFoundError:
             return None, None
         try:
@@ -186,7 +187,8 @@ class _GCSLock(WorkdirLock):
         super().release()
         if self.generation is not None:
             try:
-                self.fs.call("DELETE", "b/{}/o/{}", self.bucket, self.key, ifGenerationMatch=str(self.generation))
+                paths.storage_call("delete", self.path, self.fs.call, "DELETE", "b/{}/o/{}", self.bucket, self.key,
+                                   ifGenerationMatch=str(self.generation))
             except (FileNotFoundError, FileExistsError):
                 pass  # gone or taken over: nothing of ours to delete
             self.generation = None

@@ -131,9 +131,11 @@ def _key(p: str) -> str:
     return p[len("gs://"):]
 
 
-def _gcs(op: str, p: str, fn, *args, **kwargs):
-    """`fn(*args, **kwargs)` (a gcsfs call) under the deadline. FileNotFoundError and
-    FileExistsError (a failed precondition) pass through; anything else becomes StorageError."""
+def storage_call(op: str, p: str, fn, *args, **kwargs):
+    """`fn(*args, **kwargs)`, a gcsfs call about `p` (the lock's conditional writes go through gcsfs's
+    `call`), under the whole deadline: fsspec's sync wrapper gives up after `timeout` seconds.
+    FileNotFoundError and FileExistsError (a failed precondition) pass through; anything else
+    becomes one StorageError naming the operation, the path and the endpoint."""
     limit = timeout_s()
     try:
         return fn(*args, timeout=limit, **kwargs)
@@ -144,6 +146,14 @@ def _gcs(op: str, p: str, fn, *args, **kwargs):
                            "is the storage endpoint reachable?") from e
     except Exception as e:  # noqa: BLE001 - client, network and HTTP errors, after gcsfs's retries
         raise StorageError(f"gs:// {op} {p} failed at {endpoint()}: {type(e).__name__}: {str(e)[:300]}") from e
+
+
+_gcs = storage_call
+
+
+def gcs_filesystem():
+    """The configured gcsfs filesystem (deadlines, emulator) for requests this layer has no call for."""
+    return _fs()
 
 
 def is_gcs(path) -> bool:

@@ -158,9 +158,11 @@ def test_metrics_writer_on_a_silent_endpoint_names_the_file_and_the_checkpoints(
 
 
 def _cli(args, url, timeout_s=3):
-    env = dict(os.environ, STORAGE_EMULATOR_HOST=url, RL_SCALING_STORAGE_TIMEOUT_S=str(timeout_s),
-               JAX_PLATFORMS="cpu", PYTHONPATH=ROOT)
+    env = dict(os.environ, STORAGE_EMULATOR_HOST=url, JAX_PLATFORMS="cpu", PYTHONPATH=ROOT)
     env.pop("XLA_FLAGS", None)
+    env.pop("RL_SCALING_STORAGE_TIMEOUT_S", None)
+    if timeout_s is not None:
+        env["RL_SCALING_STORAGE_TIMEOUT_S"] = str(timeout_s)
     with tempfile.TemporaryDirectory() as cwd:
         t0 = time.monotonic()
         res = subprocess.run([sys.executable, *args], env=env, cwd=cwd, capture_output=True, text=True, timeout=240)
@@ -182,6 +184,23 @@ def test_cli_tools_name_the_gs_path_and_the_endpoint_when_storage_hangs(silent):
         assert "no answer within 3 s" in res.stderr, (name, res.stderr[-2000:])
         assert "Traceback" not in res.stderr, (name, res.stderr[-3000:])
         assert left == [], (name, left)  # nothing degraded to a local folder
+
+
+@pytest.mark.slow
+def test_a_tiny_run_on_a_silent_endpoint_exits_within_the_deadline_naming_the_path(silent):
+    """The whole launcher, not one call: `run.py --workdir=gs://...` with storage.timeout_s=5 on an
+    endpoint that accepts and never answers exits non-zero well within timeout_s + 60 s, naming the
+    path and the endpoint in one line, and leaves nothing local behind."""
+    args = [os.path.join(ROOT, "launch", "run.py"), "--config=" + os.path.join(ROOT, "configs", "tiny.py"),
+            "--workdir=gs://bucket/hung/run", "--config.storage.timeout_s=5"]
+    env_timeout = None  # the config field, not $RL_SCALING_STORAGE_TIMEOUT_S, sets the deadline here
+    res, took, left = _cli(args, silent.url, timeout_s=env_timeout)
+    assert res.returncode != 0, res.stderr[-2000:]
+    assert took < 5 + 60, took
+    assert silent.url in res.stderr and "gs://bucket/hung/run" in res.stderr, res.stderr[-2000:]
+    assert "no answer within 5 s" in res.stderr and "Traceback" not in res.stderr, res.stderr[-3000:]
+    assert left == [], left
+    assert silent.conns
 
 
 def test_metrics_on_gcs_upload_only_what_is_new_over_200_steps():
