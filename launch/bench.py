@@ -47,8 +47,13 @@ Cases, each printed as one JSON line (every field named; `tool`, `case`, `preset
            TPU (no torch device) the line says it was skipped.
 Each figure is the median of --reps timed calls after --warmup untimed ones (the 1b preset: 3 and
 1 by default); first_call_s is the first call's time, compiles included (unless an earlier case
-compiled the same shapes: train and rl share the update and the generation). Results and history: docs/benchmarks.md. On TPU, --dry_run is not wired to the AOT
-estimate (rl_scaling/dry_run.py needs an experiment config and a topology; launch/run.py --dry_run).
+compiled the same shapes: train and rl share the update and the generation). Results and history:
+docs/benchmarks.md.
+  dry_run: `--dry_run=TOPOLOGY` (e.g. v5p:2x2x1; libtpu) adds the ahead-of-time estimate for a TPU
+           slice next to the measured figures: rl_scaling/dry_run.py compiles the rl case's update
+           (FSDP over the slice) and a decode step of the sampler case's rows over the rl case's
+           prompt + new tokens of KV cache (replicas tensor-parallel over up to kv-heads chips), and
+           prints per-chip HBM, the roofline and assumed-utilisation step times and MFU.
 
 --vs_tunix alternates this script's process with the tunix peer's (`tunix_sampler.py`,
 `tunix_grpo.py --beta 0`, run with /tmp/peers/tunix-venv/bin/python) --rounds times per case and
@@ -476,6 +481,42 @@ def run_cases(presets, cases, reps, warmup, smoke=False, xla=None, budget_s=1e9)
             print(json.dumps(_line(name, case, cfg, device, reps, warmup, smoke, res)), flush=True)
 
 
+def dry_run_config(cfg, shapes, topology):
+    """An experiment config whose train step is the rl case's update (same dims, rows, microbatches)
+    and whose decode step has the sampler case's rows per replica, on a TPU slice `topology`: the
+    trainer FSDP over every chip, generator replicas tensor-parallel over up to kv-heads chips."""
+    from rl_scaling import dry_run
+
+    config = tiny.get_config()
+    config.model.update({k: getattr(cfg, k) for k in (
+        "vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "head_dim", "mlp_dim", "rope_theta",
+        "norm_eps", "dtype", "param_dtype", "scan_layers", "tie_embeddings")})
+    config.rl.fp32_lm_head = config.rollout.fp32_lm_head = cfg.fp32_lm_head
+    config.rollout.update(prompts_per_step=shapes.prompts, samples_per_prompt=shapes.group,
+                          max_new_tokens=shapes.rl_new, engine_slots=shapes.gen_batch)
+    config.task.max_prompt_len = shapes.rl_prompt
+    config.rl.update(grad_accum=shapes.grad_accum or config.rl.grad_accum, num_minibatches=1)
+    chips = len(dry_run.topology_devices(topology))
+    tensor = next(t for t in range(min(chips, cfg.n_kv_heads), 0, -1) if chips % t == 0 and cfg.n_kv_heads % t == 0)
+    config.mesh.update(data=1, fsdp=-1, tensor=1, expert=1)
+    config.tpu.update(train_topology=topology, gen_topology=topology,
+                      gen_mesh=dict(data=chips // tensor, fsdp=1, tensor=tensor, expert=1))
+    return config
+
+
+def bench_dry_run(cfg, shapes, topology):
+    """The ahead-of-time TPU estimate (rl_scaling/dry_run.py) of the train and decode steps at this
+    preset's shapes: per-chip HBM, and the step time and MFU its roofline and assumed utilisation give."""
+    from rl_scaling import dry_run
+
+    out = []
+    for r in dry_run.run(dry_run_config(cfg, shapes, topology), steps=("train", "generation"), print_fn=lambda s: None):
+        keep = ("step", "topology", "chip", "chips", "mesh", "compile_s", "memory_gib", "capacity_gib",
+                "time_roofline_s", "time_est_s", "mfu_roofline", "mfu_est", "tokens_per_s", "bound", "batch")
+        out.append({k: r[k] for k in keep if k in r})
+    return out
+
+
 def _line(name, case, cfg, device, reps, warmup, smoke, res):
     return {"tool": "rl_scaling", "case": case, "preset": name, "smoke": smoke, "backend": jax.default_backend(),
             "device": getattr(device, "device_kind", str(device)), "dtype": cfg.dtype,
@@ -549,6 +590,9 @@ def main():
                         "second compile; default on for tiny/small, off for 1b)")
     parser.add_argument("--budget_s", type=float, default=440.0, help="the hf case skips settings that would start "
                         "after this many seconds of the process (static_compiled needs 150 s left)")
+    parser.add_argument("--dry_run", default="", metavar="TOPOLOGY",
+                        help="also the AOT estimate of the preset's train and decode steps on this TPU slice (e.g. "
+                             "v5p:2x2x1; needs libtpu, requirements-tpu.txt), one JSON line per step")
     parser.add_argument("--vs_tunix", action="store_true", help="alternate our process with the tunix peer's")
     parser.add_argument("--rounds", type=int, default=5, help="processes of each side for --vs_tunix")
     parser.add_argument("--modes", default="", help="off-policy schemes to compare on the tiny RL loop: "
@@ -584,6 +628,10 @@ def main():
     elif presets:
         run_cases(presets, cases, reps, warmup, args.smoke, None if args.xla_flops is None else bool(args.xla_flops),
                   args.budget_s)
+    for name in presets if args.dry_run else ():
+        for res in bench_dry_run(preset_config(name, args.smoke), preset_shapes(name, args.smoke), args.dry_run):
+            print(json.dumps({"tool": "rl_scaling", "case": "dry_run", "preset": name, "smoke": args.smoke,
+                              **{k: _round(v) for k, v in res.items()}}), flush=True)
 
 
 MODES = {  # scheme -> (config overrides, XLA CPU devices in the trainer's process)

@@ -136,3 +136,24 @@ def test_dense_8b_without_microbatches_does_not_fit():
     assert proc.returncode == 1, proc.stdout[-2000:]
     assert "dry run failed: train step does not fit on v5p:2x2x4" in proc.stderr, proc.stderr[-3000:]
     assert "per chip" in proc.stderr
+
+
+def test_bench_dry_run_reports_the_aot_estimate_beside_the_cases():
+    """launch/bench.py --preset=1b --smoke --dry_run=v5e:2x2: one JSON line per compiled step, the
+    train step on the rl case's rows, the decode step on the sampler case's."""
+    import json
+
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    env.pop("XLA_FLAGS", None)
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "launch", "bench.py"), "--preset=1b", "--smoke",
+                           "--cases=", "--dry_run=v5e:2x2"], env=env, cwd=ROOT, capture_output=True, text=True,
+                          timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = [json.loads(ln) for ln in proc.stdout.splitlines() if ln.startswith("{")]
+    by = {r["step"]: r for r in lines if r["case"] == "dry_run"}
+    assert sorted(by) == ["decode", "prefill", "train"]
+    assert by["train"]["chips"] == 4 and by["train"]["mesh"]["fsdp"] == 4
+    assert "16 sequences of 32 tokens" in by["train"]["batch"]  # the smoke rl case: 4 prompts x 4, 16 + 16
+    assert 0 < by["train"]["memory_gib"]["total"] < by["train"]["capacity_gib"]
+    assert 0 < by["train"]["mfu_est"] < by["train"]["mfu_roofline"] <= 1
+    assert by["decode"]["bound"] in ("memory", "compute") and by["decode"]["tokens_per_s"] > 0
