@@ -9,10 +9,8 @@ from __future__ import annotations
 
 import math
 import os
-from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:
-    from rl_scaling.policy import model as model_lib
+from rl_scaling.policy.model_config import ModelConfig
 
 # The largest group a config may ask for: the rollout server's limit on samples per group too.
 MAX_SAMPLES_PER_PROMPT = 4096
@@ -251,10 +249,10 @@ def recipe_switches(config) -> None:
                              "use mode='sync'")
 
 
-def model_config(config, fp32_lm_head: bool | None = None) -> model_lib.ModelConfig:
+def model_config(config, fp32_lm_head: bool | None = None) -> ModelConfig:
     """config.model as a ModelConfig: a named preset (policy/presets.py) with the section's other
     fields as overrides, or, with preset "", the explicit fields."""
-    from rl_scaling.policy import model as model_lib, presets
+    from rl_scaling.policy import presets
 
     fields = dict(config.model)
     preset = fields.pop("preset", "")
@@ -264,4 +262,4 @@ def model_config(config, fp32_lm_head: bool | None = None) -> model_lib.ModelCon
             return presets.get(preset, **fields)
         except TypeError as e:  # a field the ModelConfig does not have
             raise ValueError(f"config.model: {e}") from e
-    return model_lib.ModelConfig(**fields)
+    return ModelConfig(**fields)

@@ -1,17 +1,14 @@
-"""The dense SwiGLU feed-forward and the dtype names, shared by the decoder (model.py) and the
-mixture of experts (moe.py, whose shared expert is this MLP)."""
+"""The dense SwiGLU feed-forward and the jax dtypes of ModelConfig's dtype names, shared by the
+decoder (model.py) and the mixture of experts (moe.py, whose shared expert is this MLP)."""
 
 from __future__ import annotations
-
-from typing import TYPE_CHECKING
 
 import jax.numpy as jnp
 from flax import linen as nn
 
-if TYPE_CHECKING:
-    from rl_scaling.policy.model import ModelConfig
+from rl_scaling.policy.model_config import DTYPE_NAMES, ModelConfig
 
-DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
+DTYPES = dict(zip(DTYPE_NAMES, (jnp.float32, jnp.bfloat16)))
 
 
 def dense_init():

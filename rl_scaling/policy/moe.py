@@ -86,7 +86,6 @@ from __future__ import annotations
 import functools
 import logging
 import math
-from typing import TYPE_CHECKING
 
 import jax
 import jax.numpy as jnp
@@ -94,12 +93,7 @@ from flax import linen as nn
 
 from rl_scaling import sharding
 from rl_scaling.policy.mlp import DTYPES, SwiGLU
-
-if TYPE_CHECKING:
-    from rl_scaling.policy.model import ModelConfig
-
-IMPLS = ("ragged", "expert_parallel", "dense")
-INDIVISIBLE = ("error", "warn")  # cfg.moe_indivisible
+from rl_scaling.policy.model_config import MOE_IMPLS as IMPLS, MOE_INDIVISIBLE as INDIVISIBLE, ModelConfig
 
 log = logging.getLogger(__name__)
 

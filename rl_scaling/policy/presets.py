@@ -21,7 +21,7 @@ import dataclasses
 
 from flax.core import FrozenDict
 
-from rl_scaling.policy.model import ModelConfig
+from rl_scaling.policy.model_config import ModelConfig
 
 # Llama-3.1 frequency scaling (also in Scout's config). A FrozenDict keeps ModelConfig hashable.
 LLAMA31_ROPE_SCALING = FrozenDict(
