@@ -75,13 +75,16 @@ results-extension: venv
 	$(BIN)/python launch/preregister.py score --prereg=$(RESULTS)/preregistered.json \
 		--runs=$(RESULTS)/extension --out=$(RESULTS)/extension.md
 
-# The model-size axis: ScaleRL at 0.44M (size=m) and 1.5M (size=l) parameters, 2 seeds each at 768k
-# samples, each size with its own warm start (sizes/<size>/warmstart); size s is the recipe sweep's
-# ScaleRL seeds 0 and 1. Then one fit of the three sizes (fit_sizes/) and the README's generated block.
+# The model-size axis: ScaleRL at 0.44M (size=m) and 1.5M (size=l) parameters, 2 seeds each at
+# SIZE_SAMPLES (1,536,000: 2x the recipe sweep's budget, evals every 32k samples as there), each size
+# with its own warm start (sizes/<size>/warmstart); size s is the recipe sweep's ScaleRL seeds 0 and 1
+# at 768k. Then one fit of the three sizes (fit_sizes/). ~2 h on a quiet 2-core machine (l ~70 min
+# per seed and m ~18 min, two at a time); resumable like every sweep.
+SIZE_SAMPLES ?= 1536000
 results-sizes: venv
-	for size in m l; do JAX_PLATFORMS=cpu $(BIN)/python launch/sweep.py \
-		--config=configs/tiny.py:samples=768000,evals=24,size=$$size --jobs=2 \
-		--workdir=$(RESULTS)/sizes/$$size --recipes=scalerl+size=$$size --seeds=2 || exit 1; done
+	for size in l m; do JAX_PLATFORMS=cpu $(BIN)/python launch/sweep.py \
+		--config=configs/tiny.py:samples=$(SIZE_SAMPLES),evals=$$(( $(SIZE_SAMPLES) / 32000 )),size=$$size \
+		--jobs=2 --workdir=$(RESULTS)/sizes/$$size --recipes=scalerl+size=$$size --seeds=2 || exit 1; done
 	$(BIN)/python launch/fit.py $(RESULTS)/scalerl/seed0 $(RESULTS)/scalerl/seed1 $(RESULTS)/sizes/m \
 		$(RESULTS)/sizes/l --out=$(RESULTS)/fit_sizes --noise=$(RESULTS)/noise.json
 

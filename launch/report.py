@@ -148,6 +148,23 @@ def extension_section(results):
 
 
 SIZE_LABELS = {"scalerl": "s", "scalerl+size=m": "m", "scalerl+size=l": "l"}
+SIZE_RUNS = {"s": "scalerl", "m": "sizes/m/scalerl+size=m", "l": "sizes/l/scalerl+size=l"}  # seed<k> below
+
+
+def _samples(results, size):
+    """Generated samples at the last eval of each seed of `size` (its budget), from the shipped metrics."""
+    seen = set()
+    for seed in (0, 1):
+        path = os.path.join(results, SIZE_RUNS[size], f"seed{seed}", "metrics.jsonl")
+        if os.path.exists(path):
+            with open(path) as f:
+                last = [json.loads(ln) for ln in f if '"eval/pass_rate"' in ln][-1]
+            seen.add(int(last["samples"]))
+    return max(seen) if seen else 0
+
+
+def _k(n):
+    return f"{n / 1000:,.0f}k"
 
 
 def _crossover(small, large, c_lo, c_hi):
@@ -171,18 +188,20 @@ def sizes_section(results):
     recs = {SIZE_LABELS[k]: v for k, v in fs["recipes"].items() if k in SIZE_LABELS and v.get("status", "ok") == "ok"}
     lines = ["Model size (`fit_sizes/`, ScaleRL, 2 seeds per size, each size from its own warm start to the same "
              "0.15 pass rate; size s is the recipe table's ScaleRL seeds 0 and 1):", "",
-             "| size | parameters | sigmoid A | B | C_mid (FLOPs) | power-law A | last compute | flags |",
-             "|---|---|---|---|---|---|---|---|"]
+             "| size | parameters | samples | sigmoid A | B | C_mid (FLOPs) | power-law A | last compute | flags |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for size in sorted(recs, key="sml".index):
         s = recs[size]
-        lines.append(f"| {size} | {tiny.param_count(size):,} | {_a(s)} | {s['B']:.2f} | {s['C_mid']:.3g} | "
-                     f"{s['shape']['power_law']['A']:.3f} | {s['window']['c_max']:.3g} | {_flags(s)} |")
+        lines.append(f"| {size} | {tiny.param_count(size):,} | {_k(_samples(results, size))} | {_a(s)} | "
+                     f"{s['B']:.2f} | {s['C_mid']:.3g} | {s['shape']['power_law']['A']:.3f} | "
+                     f"{s['window']['c_max']:.3g} | {_flags(s)} |")
     unmeasured = [z for z in recs if recs[z]["A"] is None]
     if unmeasured:
-        lines.append(f"- At 768k samples the ceilings of size(s) {', '.join(unmeasured)} are not identifiable (their "
-                     "windows end before most of the gain): these sizes need larger budgets before the axis says "
-                     "whether a larger policy reaches a higher ceiling; `make results-sizes` with a larger "
-                     "`samples=` resumes them.")
+        lines.append(f"- The ceilings of size(s) {', '.join(unmeasured)} are not identifiable at these budgets (their "
+                     "windows end before most of the gain): they need larger budgets before the axis says whether "
+                     "a larger policy reaches a higher ceiling (`make results-sizes SIZE_SAMPLES=N` reruns them from their "
+                     "warm starts once their `sizes/<size>/scalerl+size=<size>` runs are moved away: finished runs "
+                     "are skipped and checkpoints are not shipped).")
     order = sorted(recs, key="sml".index)
     for small, large in zip(order, order[1:]):
         a, b = recs[small], recs[large]
