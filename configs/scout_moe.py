@@ -51,7 +51,9 @@ def get_config(arg=None):
         moe_impl="expert_parallel",  # tokens travel to their experts over mesh.expert (policy/moe.py)
         moe_token_chunk=4096,  # 4 exchanges per layer and microbatch: bounds the dropless receive buffers
         router_aux_loss_coef=0.001,  # Switch load balancing, coef * E * sum_e f_e * P_e, mean over layers
-        moe_indivisible="warn",  # "error" once a --dry_run has shown every step's shapes divide (not run yet)
+        # the dry run's train (r3), decode and prefill steps on v5p:4x4x4 log no indivisible shape
+        # (2026-12-05); "error" stops a changed config whose shapes would gather the experts
+        moe_indivisible="warn",
     ))
     # r3: the trainer replays the experts the generator chose for each token (the JetStream engines
     # record them; ~12.6 MB per group of 16 x 16,384 tokens on the wire, one byte per expert id), so

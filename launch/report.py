@@ -195,6 +195,7 @@ def sizes_section(results):
         lines.append(f"| {size} | {tiny.param_count(size):,} | {_k(_samples(results, size))} | {_a(s)} | "
                      f"{s['B']:.2f} | {s['C_mid']:.3g} | {s['shape']['power_law']['A']:.3f} | "
                      f"{s['window']['c_max']:.3g} | {_flags(s)} |")
+    lines.append("")
     unmeasured = [z for z in recs if recs[z]["A"] is None]
     if unmeasured:
         lines.append(f"- The ceilings of size(s) {', '.join(unmeasured)} are not identifiable at these budgets (their "
