@@ -229,7 +229,12 @@ def test_switch_off_and_build_failure_fall_back(monkeypatch, tmp_path, caplog):
     assert not cpu_kernels.available.__wrapped__()
     monkeypatch.delenv(cpu_kernels.ENV_SWITCH)
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))  # no built kernel in this cache
+    monkeypatch.setattr(cpu_kernels, "_cpu_id", lambda: "flags\t\t: fpu avx2 avx512f\n")
     monkeypatch.setenv("CXX", "false")  # a compiler that fails
     assert not cpu_kernels.available.__wrapped__()
     assert "could not be built" in caplog.text and "false exited with 1" in caplog.text
     assert not list((tmp_path / "rl_scaling").glob("*.so"))  # no partial library left behind
+    caplog.clear()  # a CPU without AVX-512: said in one line, no compiler run
+    monkeypatch.setattr(cpu_kernels, "_cpu_id", lambda: "flags\t\t: fpu avx2\nmodel name\t: AMD EPYC\n")
+    assert not cpu_kernels.available.__wrapped__()
+    assert "this CPU has no AVX-512" in caplog.text and "exited" not in caplog.text

@@ -306,11 +306,14 @@ def _build() -> str:
     temporary name, then renamed, so concurrent processes never load a partial file)."""
     compiler = os.environ.get("CXX", "c++")
     flags = ["-O3", "-march=native", "-shared", "-fPIC", "-std=c++17", "-w", f"-I{jax.ffi.include_dir()}"]
+    cpu = _cpu_id()
+    if "flags" in cpu and "avx512f" not in cpu.split():  # x86 Linux: the kernels are AVX-512 intrinsics
+        raise RuntimeError("this CPU has no AVX-512 (avx512f), the kernels' instruction set")
     source = b""
     for path in (HEADER, *SOURCES):
         with open(path, "rb") as f:
             source += f.read()
-    key = hashlib.sha256(source + repr((compiler, flags, jax.__version__, platform.machine(), _cpu_id())).encode())
+    key = hashlib.sha256(source + repr((compiler, flags, jax.__version__, platform.machine(), cpu)).encode())
     cache = os.path.join(os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "rl_scaling")
     path = os.path.join(cache, f"cpu_kernels-{key.hexdigest()[:16]}.so")
     if os.path.exists(path):
