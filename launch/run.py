@@ -152,8 +152,10 @@ def _lock_or_exit(lock):
 
     try:
         lock.acquire(_WORKDIR.value)
-    except (lock.LockHeld, paths.StorageError) as e:  # the storage error names the path and the endpoint
+    except lock.LockHeld as e:
         _fail(e, e)
+    except paths.StorageError as e:  # names the object and the endpoint
+        _fail(f"--workdir={_WORKDIR.value} is not writable: {e}", e)
     except Exception as e:  # noqa: BLE001 - OSError locally; client/network errors on gs://
         _fail(f"--workdir={_WORKDIR.value} is not writable: {type(e).__name__}: {e}", e)
 
