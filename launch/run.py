@@ -221,7 +221,10 @@ def _init_checkpoint_context(message: str, config) -> str:
 def main(argv):
     del argv
     if _PRINT_CONFIG.value:
-        print_config(_CONFIG.value)
+        try:
+            print_config(_CONFIG.value)
+        except BrokenPipeError:  # `--print_config | head`: the reader has what it wanted
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return
     from rl_scaling import config as config_lib  # no jax: the ranges are checked before the workdir is touched
 

@@ -90,3 +90,15 @@ def test_print_config_lists_fields_and_defaults(tmp_path):
     assert "rl.eps_max = 5.0  # set by --config.rl.eps_max" in lines
     assert any(ln.startswith("model.d_model = ") for ln in lines)
     assert not (tmp_path / "w").exists()
+
+
+def test_print_config_into_a_closed_pipe_exits_quietly():
+    """`--print_config | head -3`: the reader closes the pipe early; no BrokenPipeError traceback."""
+    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="")
+    proc = subprocess.Popen([sys.executable, RUN, "--print_config"], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, env=env, bufsize=0)
+    assert proc.stdout.read(10)  # one line's worth, then the reader is gone
+    proc.stdout.close()
+    err = proc.stderr.read().decode()
+    assert proc.wait(timeout=120) == 0, err[-2000:]
+    assert "Traceback" not in err and "BrokenPipe" not in err, err[-2000:]
