@@ -47,8 +47,14 @@ test-aot: $(BIN)/.installed-tpu
 # sweep that stops a recipe the law rules out, two runs at a time on 2 cores. Every command skips
 # finished (and pruned) runs and resumes interrupted ones; the eval noise is measured once from the
 # first seed's last checkpoints. ~3.5 h on a quiet 2-core machine.
+# A try of the whole pipeline (results, results-extension, results-sizes) at 1/60 of the budgets:
+#   make results results-extension results-sizes RESULTS=/tmp/law LAW_SAMPLES=12800
+# (50 ScaleRL steps a run, an eval every 3,200 samples; 30 min on 2 cores; the extension at 4x LAW_SAMPLES; the
+# predictions are frozen into RESULTS/preregistered.json before the extension runs when none is there).
 RESULTS ?= notebooks/results
-LAW = --config=configs/tiny.py:samples=768000,evals=24 --jobs=2 --workdir=$(RESULTS)
+LAW_SAMPLES ?= 768000
+EVALS = $$(( $(1) >= 128000 ? $(1) / 32000 : $(1) / 3200 ))
+LAW = --config=configs/tiny.py:samples=$(LAW_SAMPLES),evals=$(call EVALS,$(LAW_SAMPLES)) --jobs=2 --workdir=$(RESULTS)
 LOO = scalerl,scalerl+rl.loss=ppo_clip+rl.eps_low=0.2+rl.eps_high=0.26,scalerl+rl.aggregation=sample,scalerl+rl.adv_norm=group,scalerl+rl.zero_var_filter=False,scalerl+rl.no_positive_resampling=False,scalerl+rollout.length_control=none
 results: venv
 	JAX_PLATFORMS=cpu $(BIN)/python launch/sweep.py $(LAW) --recipes=scalerl,minimax,dapo,grpo,magistral --seeds=3
@@ -68,9 +74,12 @@ results: venv
 # preregistered.json, which was frozen (launch/preregister.py freeze) and committed before these runs
 # started. ~50 min per seed of the three recipes at --jobs=2 (ScaleRL 13 min, DAPO and MiniMax ~19 min
 # each, two at a time): ~1 h 40 min on a quiet 2-core machine; resumable like every sweep.
-EXT = --config=configs/tiny.py:samples=3072000,evals=96 --jobs=2 --workdir=$(RESULTS)/extension \
-	--init_checkpoint=$(RESULTS)/warmstart/warmstart/params
+EXT_SAMPLES ?= $(shell echo $$(( 4 * $(LAW_SAMPLES) )))
+EXT = --config=configs/tiny.py:samples=$(EXT_SAMPLES),evals=$(call EVALS,$(EXT_SAMPLES)) --jobs=2 \
+	--workdir=$(RESULTS)/extension --init_checkpoint=$(RESULTS)/warmstart/warmstart/params
 results-extension: venv
+	test -f $(RESULTS)/preregistered.json || $(BIN)/python launch/preregister.py freeze --runs=$(RESULTS) \
+		--recipes=scalerl,dapo,minimax --multiples=2,3,4 --out=$(RESULTS)/preregistered.json
 	JAX_PLATFORMS=cpu $(BIN)/python launch/sweep.py $(EXT) --recipes=scalerl,dapo,minimax --seeds=3
 	$(BIN)/python launch/preregister.py score --prereg=$(RESULTS)/preregistered.json \
 		--runs=$(RESULTS)/extension --out=$(RESULTS)/extension.md
@@ -81,10 +90,10 @@ results-extension: venv
 # at 768k. Then one fit of the three sizes (fit_sizes/). Measured per run: m 39 min, l ~100 min (one
 # core each, two at a time): ~2 h 20 min on a quiet 2-core machine; resumable like every sweep.
 # Shipped: m at 1,536,000; l at 768,000 (the runs of SIZE_SAMPLES=768000).
-SIZE_SAMPLES ?= 1536000
+SIZE_SAMPLES ?= $(shell echo $$(( 2 * $(LAW_SAMPLES) )))
 results-sizes: venv
 	for size in l m; do JAX_PLATFORMS=cpu $(BIN)/python launch/sweep.py \
-		--config=configs/tiny.py:samples=$(SIZE_SAMPLES),evals=$$(( $(SIZE_SAMPLES) / 32000 )),size=$$size \
+		--config=configs/tiny.py:samples=$(SIZE_SAMPLES),evals=$(call EVALS,$(SIZE_SAMPLES)),size=$$size \
 		--jobs=2 --workdir=$(RESULTS)/sizes/$$size --recipes=scalerl+size=$$size --seeds=2 || exit 1; done
 	$(BIN)/python launch/fit.py $(RESULTS)/scalerl/seed0 $(RESULTS)/scalerl/seed1 $(RESULTS)/sizes/m \
 		$(RESULTS)/sizes/l --out=$(RESULTS)/fit_sizes --noise=$(RESULTS)/noise.json
