@@ -49,10 +49,12 @@ test-aot: $(BIN)/.installed-tpu
 # first seed's last checkpoints. ~3.5 h on a quiet 2-core machine.
 # A try of the whole pipeline (results, results-extension, results-sizes) at 1/60 of the budgets:
 #   make results results-extension results-sizes RESULTS=/tmp/law LAW_SAMPLES=12800
-# (50 ScaleRL steps a run, an eval every 3,200 samples; 30 min on 2 cores; the extension at 4x LAW_SAMPLES; the
-# predictions are frozen into RESULTS/preregistered.json before the extension runs when none is there).
+# (50 ScaleRL steps a run, an eval every 3,200 samples; 30 min on 2 cores; the extension at 4x
+# LAW_SAMPLES; the predictions are frozen into RESULTS/preregistered.json before the extension runs
+# when none is there).
 RESULTS ?= notebooks/results
 LAW_SAMPLES ?= 768000
+# Evals for a budget: one per 32k samples, one per 3.2k below 128k so a short try has points to fit.
 EVALS = $$(( $(1) >= 128000 ? $(1) / 32000 : $(1) / 3200 ))
 LAW = --config=configs/tiny.py:samples=$(LAW_SAMPLES),evals=$(call EVALS,$(LAW_SAMPLES)) --jobs=2 --workdir=$(RESULTS)
 LOO = scalerl,scalerl+rl.loss=ppo_clip+rl.eps_low=0.2+rl.eps_high=0.26,scalerl+rl.aggregation=sample,scalerl+rl.adv_norm=group,scalerl+rl.zero_var_filter=False,scalerl+rl.no_positive_resampling=False,scalerl+rollout.length_control=none

@@ -171,6 +171,8 @@ def preset_shapes(name, smoke=False):
     return SHAPES["peers"]
 
 
+# ---- timing, and the peaks the fractions are taken against --------------------------------------
+
 def median_time(fn, reps, warmup):
     for _ in range(warmup):
         jax.block_until_ready(fn())
@@ -208,6 +210,8 @@ def copy_bytes_per_s(n_bytes, reps=10):
     f = jax.jit(lambda x: x + 1.0)
     return 2 * x.nbytes / median_time(lambda: f(x), reps, 2)[0]
 
+
+# ---- our cases: sampler, RL step, train step ----------------------------------------------------
 
 def _setup(cfg, grad_accum=0):
     mesh = sharding.make_mesh({"fsdp": 1}, devices=jax.devices()[:1])
@@ -444,6 +448,8 @@ def bench_hf(cfg, shapes, reps, warmup, ours_tok_s, budget_s, settings=HF_SETTIN
             "transformers": transformers.__version__, "hf_logprobs": False}
 
 
+# ---- running the cases, and the ahead-of-time TPU estimate beside them --------------------------
+
 def run_cases(presets, cases, reps, warmup, smoke=False, xla=None, budget_s=1e9):
     for case in cases:
         if case not in ("sampler", "rl", "train", "hf"):
@@ -517,6 +523,8 @@ def bench_dry_run(cfg, shapes, topology):
     return out
 
 
+# ---- JSON lines, and the tunix peer in alternating processes ------------------------------------
+
 def _line(name, case, cfg, device, reps, warmup, smoke, res):
     return {"tool": "rl_scaling", "case": case, "preset": name, "smoke": smoke, "backend": jax.default_backend(),
             "device": getattr(device, "device_kind", str(device)), "dtype": cfg.dtype,
@@ -577,62 +585,7 @@ def vs_tunix(presets, cases, rounds, reps, warmup):
               f"{s['ratio_of_medians']:>5.2f}x  {s['pair_ratios']}", file=sys.stderr)
 
 
-
-def main():
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--presets", "--preset", default=None, help="tiny,small (the default without --modes), 1b")
-    parser.add_argument("--cases", default="sampler,rl,train", help="sampler,rl,train,hf")
-    parser.add_argument("--smoke", action="store_true", help="the 1b preset at CPU-test size (dims and shapes)")
-    parser.add_argument("--reps", type=int, default=None, help="timed calls per case (median reported; default 5, "
-                        "1b: 3)")
-    parser.add_argument("--warmup", type=int, default=None, help="untimed calls first (compile; default 2, 1b: 1)")
-    parser.add_argument("--xla_flops", type=int, default=None, help="1/0: XLA's cost analysis of the train step (a "
-                        "second compile; default on for tiny/small, off for 1b)")
-    parser.add_argument("--budget_s", type=float, default=440.0, help="the hf case skips settings that would start "
-                        "after this many seconds of the process (static_compiled needs 150 s left)")
-    parser.add_argument("--dry_run", default="", metavar="TOPOLOGY",
-                        help="also the AOT estimate of the preset's train and decode steps on this TPU slice (e.g. "
-                             "v5p:2x2x1; needs libtpu, requirements-tpu.txt), one JSON line per step")
-    parser.add_argument("--vs_tunix", action="store_true", help="alternate our process with the tunix peer's")
-    parser.add_argument("--rounds", type=int, default=5, help="processes of each side for --vs_tunix")
-    parser.add_argument("--modes", default="", help="off-policy schemes to compare on the tiny RL loop: "
-                        "sync,ppo8,pipeline8,remote8 (empty: skip)")
-    parser.add_argument("--steps", type=int, default=64, help="RL steps per scheme for --modes (ppo8: steps/8)")
-    parser.add_argument("--workdir", default="/tmp/rl_scaling/bench_modes")
-    parser.add_argument("--init_checkpoint", default="", help="params to start from (default: one warm start)")
-    parser.add_argument("--repeats", type=int, default=1, help="interleaved rounds of --modes (median reported)")
-    parser.add_argument("--prompts", type=int, default=32, help="prompts per update for --modes (ppo8: 8 x that "
-                        "generated per step)")
-    parser.add_argument("--one_mode", default="", help=argparse.SUPPRESS)  # internal: one scheme, in this process
-    parser.add_argument("--json", default="", help=argparse.SUPPRESS)
-    args = parser.parse_args()
-    if args.one_mode:
-        result = run_one_mode(args.one_mode, args.steps, os.path.join(args.workdir, args.one_mode), args.init_checkpoint,
-                              args.prompts)
-        with open(args.json, "w") as f:
-            json.dump(result, f)
-        return
-    if args.modes:
-        bench_modes(args.modes.split(","), args.steps, args.workdir, args.init_checkpoint, args.repeats, args.prompts)
-    if args.presets is None:
-        args.presets = "" if args.modes else "tiny,small"
-    presets, cases = list(filter(None, args.presets.split(","))), list(filter(None, args.cases.split(",")))
-    for name in presets:
-        if name not in PRESETS:
-            sys.exit(f"--presets: unknown preset {name!r}; valid: {', '.join(PRESETS)}")
-    accel = any(p in ACCELERATOR_PRESETS for p in presets)
-    reps = args.reps if args.reps is not None else 3 if accel and not args.smoke else 5
-    warmup = args.warmup if args.warmup is not None else 1 if accel else 2
-    if args.vs_tunix:
-        vs_tunix(presets, [c for c in cases if c != "train"], args.rounds, reps, warmup)
-    elif presets:
-        run_cases(presets, cases, reps, warmup, args.smoke, None if args.xla_flops is None else bool(args.xla_flops),
-                  args.budget_s)
-    for name in presets if args.dry_run else ():
-        for res in bench_dry_run(preset_config(name, args.smoke), preset_shapes(name, args.smoke), args.dry_run):
-            print(json.dumps({"tool": "rl_scaling", "case": "dry_run", "preset": name, "smoke": args.smoke,
-                              **{k: _round(v) for k, v in res.items()}}), flush=True)
-
+# ---- --modes: whole training schemes end to end, each in its own process ------------------------
 
 MODES = {  # scheme -> (config overrides, XLA CPU devices in the trainer's process)
     "sync": ({}, 1),
@@ -756,6 +709,64 @@ def bench_modes(modes, steps, workdir, init_checkpoint, repeats, prompts=32):
         ratio = f"{m['samples_per_s'] / base:.2f}x" if base else "-"
         print(f"{mode:<17} {m['samples_per_s']:>10.1f} {ratio:>8} {m['trainer_idle']:>13.2f} {m['gen_idle']:>15.2f} "
               f"{m['staleness']:>10.2f}")
+
+
+# ---- the command line ---------------------------------------------------------------------------
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--presets", "--preset", default=None, help="tiny,small (the default without --modes), 1b")
+    parser.add_argument("--cases", default="sampler,rl,train", help="sampler,rl,train,hf")
+    parser.add_argument("--smoke", action="store_true", help="the 1b preset at CPU-test size (dims and shapes)")
+    parser.add_argument("--reps", type=int, default=None, help="timed calls per case (median reported; default 5, "
+                        "1b: 3)")
+    parser.add_argument("--warmup", type=int, default=None, help="untimed calls first (compile; default 2, 1b: 1)")
+    parser.add_argument("--xla_flops", type=int, default=None, help="1/0: XLA's cost analysis of the train step (a "
+                        "second compile; default on for tiny/small, off for 1b)")
+    parser.add_argument("--budget_s", type=float, default=440.0, help="the hf case skips settings that would start "
+                        "after this many seconds of the process (static_compiled needs 150 s left)")
+    parser.add_argument("--dry_run", default="", metavar="TOPOLOGY",
+                        help="also the AOT estimate of the preset's train and decode steps on this TPU slice (e.g. "
+                             "v5p:2x2x1; needs libtpu, requirements-tpu.txt), one JSON line per step")
+    parser.add_argument("--vs_tunix", action="store_true", help="alternate our process with the tunix peer's")
+    parser.add_argument("--rounds", type=int, default=5, help="processes of each side for --vs_tunix")
+    parser.add_argument("--modes", default="", help="off-policy schemes to compare on the tiny RL loop: "
+                        "sync,ppo8,pipeline8,remote8 (empty: skip)")
+    parser.add_argument("--steps", type=int, default=64, help="RL steps per scheme for --modes (ppo8: steps/8)")
+    parser.add_argument("--workdir", default="/tmp/rl_scaling/bench_modes")
+    parser.add_argument("--init_checkpoint", default="", help="params to start from (default: one warm start)")
+    parser.add_argument("--repeats", type=int, default=1, help="interleaved rounds of --modes (median reported)")
+    parser.add_argument("--prompts", type=int, default=32, help="prompts per update for --modes (ppo8: 8 x that "
+                        "generated per step)")
+    parser.add_argument("--one_mode", default="", help=argparse.SUPPRESS)  # internal: one scheme, in this process
+    parser.add_argument("--json", default="", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.one_mode:
+        result = run_one_mode(args.one_mode, args.steps, os.path.join(args.workdir, args.one_mode), args.init_checkpoint,
+                              args.prompts)
+        with open(args.json, "w") as f:
+            json.dump(result, f)
+        return
+    if args.modes:
+        bench_modes(args.modes.split(","), args.steps, args.workdir, args.init_checkpoint, args.repeats, args.prompts)
+    if args.presets is None:
+        args.presets = "" if args.modes else "tiny,small"
+    presets, cases = list(filter(None, args.presets.split(","))), list(filter(None, args.cases.split(",")))
+    for name in presets:
+        if name not in PRESETS:
+            sys.exit(f"--presets: unknown preset {name!r}; valid: {', '.join(PRESETS)}")
+    accel = any(p in ACCELERATOR_PRESETS for p in presets)
+    reps = args.reps if args.reps is not None else 3 if accel and not args.smoke else 5
+    warmup = args.warmup if args.warmup is not None else 1 if accel else 2
+    if args.vs_tunix:
+        vs_tunix(presets, [c for c in cases if c != "train"], args.rounds, reps, warmup)
+    elif presets:
+        run_cases(presets, cases, reps, warmup, args.smoke, None if args.xla_flops is None else bool(args.xla_flops),
+                  args.budget_s)
+    for name in presets if args.dry_run else ():
+        for res in bench_dry_run(preset_config(name, args.smoke), preset_shapes(name, args.smoke), args.dry_run):
+            print(json.dumps({"tool": "rl_scaling", "case": "dry_run", "preset": name, "smoke": args.smoke,
+                              **{k: _round(v) for k, v in res.items()}}), flush=True)
 
 
 if __name__ == "__main__":
