@@ -534,9 +534,11 @@ def _line(name, case, cfg, device, reps, warmup, smoke, res):
 
 
 def _round(v):
+    # Six significant digits, not four decimals: small times (a smoke run's roofline_s, 0.003 s) keep
+    # their precision.
     if isinstance(v, dict):
         return {k: _round(x) for k, x in v.items()}
-    return round(v, 4) if isinstance(v, float) and abs(v) < 1e6 else v
+    return float(f"{v:.6g}") if isinstance(v, float) and abs(v) < 1e6 else v
 
 
 def _last_json(cmd, env=None):
