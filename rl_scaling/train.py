@@ -83,28 +83,10 @@ def _train(config, workdir, held, preempt):
                                   batch_size=config.eval.batch_size, rng=jax.random.fold_in(jax.random.key(config.seed + 1), step),
                                   **gen_kw)
 
-    # --- state: resume, or start from a given checkpoint, or from a supervised warm start.
-    abstract = jax.eval_shape(lambda: ts.init_state(train_cfg, optimizer, base_rng, mesh, state_sh))
-    abstract = checkpoint.abstract_like(abstract, state_sh)
-    restored = ckpts.restore_latest(abstract)
-    if restored is not None:
-        step, state, meta = restored
-        log.info("resumed from %s at step %d", ckpts.directory, step)
-    else:
-        params = initial_params(config, task, train_cfg, gen_cfg, mesh, workdir, abstract["params"], gen_kw)
-        state = {"params": params, "opt_state": jax.jit(optimizer.init, out_shardings=state_sh["opt_state"])(params),
-                 "step": jnp.zeros((), jnp.int32)}
-        step, meta = 0, {"data": None, "compute_flops": 0.0, "accel_seconds": 0.0, "samples": 0}
-
+    step, state, meta, restored = _start_state(config, task, train_cfg, gen_cfg, optimizer, state_sh, mesh, ckpts,
+                                                workdir, base_rng, gen_kw)
     length = length_control.LengthControl(config, task.tokenizer)  # forced interruption / overlong penalty
-    npr = filters.NoPositiveResampling(task.tokenizer, config.rl.npr_threshold) if config.rl.no_positive_resampling else None
-    if npr is not None and meta.get("npr"):
-        npr.load(meta["npr"])  # before the iterator state: the stream's filter reads it
-    stream = data.prompt_stream(task, config.seed, P, keep=npr.keep if npr else None)
-    if meta["data"] is not None:
-        # pipeline mode: replay from before the groups in flight at the checkpoint (regenerated)
-        stream.set_state(meta["pipeline"]["stream"] if config.rollout.mode == "pipeline" and meta.get("pipeline")
-                         else meta["data"])
+    npr, stream = _prompt_stream(config, task, meta)
     writer = metrics_lib.MetricsWriter(workdir, resume_step=step if restored else None,
                                        resume_flops=meta["compute_flops"])
     progress = metrics_lib.Progress(config.steps, step)
@@ -124,12 +106,9 @@ def _train(config, workdir, held, preempt):
 
     rollouts = None  # PipelineRL-k: rollouts generated in the background by a JetStream engine
     if config.rollout.mode == "pipeline":
-        ledger = paths.join(workdir, "rollout_ledger", f"from_step{step}") if config.rollout.get("ledger") else ""
-        rollouts = pipeline.from_config(config, task, stream, gen_cfg, state["params"], step,
-                                        resume=meta.get("pipeline") if restored else None, ledger=ledger)
+        rollouts = _start_pipeline(config, task, stream, gen_cfg, state["params"], step, meta if restored else None,
+                                   workdir, preempt)
         n_devices += rollouts.devices  # a remote rollout server's accelerators count as compute
-        if isinstance(rollouts, pipeline.Pipeline) and jax.process_count() == 1:  # a signal ends any wait
-            rollouts.interrupted = lambda: preempt.signum is not None
     pending = None  # metrics are read one step late so the host never waits on the device
     compile_clock = compute.CompileClock()
     last_eval = {}
@@ -148,52 +127,33 @@ def _train(config, workdir, held, preempt):
         step += 1
         t0 = time.time()
         if rollouts is None:
-            rng = jax.random.fold_in(base_rng, step)
-            jax.block_until_ready(state["params"])  # the sampler waits for them anyway; time generation alone
-            t_gen = time.time()
-            ro = collect.sync_rollouts(state["params"], gen_cfg, task, stream, P, G, rng, length=length,
-                                       dynamic_rounds=config.rollout.dynamic_sampling and config.rollout.dynamic_sampling_rounds,
-                                       record_routing=replay == "r3", **gen_kw)
-            prompt_tokens, prompt_mask, out, rewards, correct = ro.prompt_tokens, ro.prompt_mask, ro.out, ro.rewards, ro.correct
-            rollout_metrics = {"time/rollout_s": time.time() - t_gen, **ro.metrics}
-            generated = ro.generated  # (prompt, completion) lengths of every sampled sequence
+            ro = _sync_rollouts(state["params"], jax.random.fold_in(base_rng, step), config, gen_cfg, task, stream,
+                                length, record_routing=replay == "r3", **gen_kw)
         else:  # P whole prompt groups, at most rollout.max_staleness policy versions old
             try:
-                rb = rollouts.next_batch()
+                ro = _pipeline_rollouts(rollouts.next_batch(), length)
             except pipeline.WaitInterrupted as e:  # preempted while waiting: save the last finished step
                 step -= 1
                 log.warning("%s: saving step %d", e, step)
                 save_checkpoint()
                 break
-            prompt_tokens, prompt_mask, out, raw, rollout_metrics = rb.prompt_tokens, rb.prompt_mask, rb.out, rb.rewards, rb.metrics
-            correct, rewards = (raw > 0).astype(np.float32), length.shape_rewards(raw, out.lengths_B)
-            generated = (prompt_mask.sum(1), out.lengths_B)
-        batch = collect.rl_batch(prompt_tokens, prompt_mask, out, rewards, P, G)
+        batch = collect.rl_batch(ro.prompt_tokens, ro.prompt_mask, ro.out, ro.rewards, P, G)
         ts.check_group_prompts(batch, G, config.task.max_prompt_len)  # rl_step runs each group's prompt once
         batch = distributed.global_batch(batch, mesh)  # several hosts: each feeds its own rows
         state, step_metrics = rl_step(state, batch)
         if rollouts is not None:  # new weights reach the generator now; sequences in flight continue
             rollouts.push_weights(state["params"], step)
         if npr is not None:  # No-Positive-Resampling: prompts that reached the threshold leave the stream
-            rollout_metrics.update(npr.update(prompt_tokens[::G], prompt_mask[::G], correct.reshape(P, G)))
-
-        if rollouts is None:  # the sync sampler prefills a group's prompt once too (collect.generate)
-            gen_flops, _ = compute.sequence_flops(train_cfg, *generated, group_size=G)
-        else:  # the engine prefills a group's prompt once; dropped stale groups were generated too
-            gen_flops = sum(compute.sequence_flops(train_cfg, *lens, group_size=G)[0] for lens in (generated, rb.dropped)
-                            if len(lens[0]))
-        _, train_flops = compute.sequence_flops(train_cfg, prompt_mask.sum(1), out.lengths_B)
-        counters["compute_flops"] += gen_flops + train_flops  # k minibatches split the batch: one pass over it
-        counters["samples"] += len(generated[1])
-        host = {"truncation_rate": float(out.truncated_B.mean()), "interruption_rate": float(out.interrupted_B.mean()),
-                "response_len": float(out.lengths_B.mean()), "pass_rate_train": float(correct.mean()), **rollout_metrics}
+            ro.metrics.update(npr.update(ro.prompt_tokens[::G], ro.prompt_mask[::G], ro.correct.reshape(P, G)))
+        counters["compute_flops"] += _step_flops(train_cfg, ro, G)
+        counters["samples"] += len(ro.generated[1])
         # The step ends when its update has run: without this wait the update's device time fell into
         # whichever window next blocked on it, so accel_seconds depended on log_every.
         jax.block_until_ready(state["params"])
         counters["accel_seconds"] += max(time.time() - t0 - compile_clock.take(), 0.0) * n_devices
         if pending is not None:
             writer.write(pending[0], {**jax.device_get(pending[1]), **pending[2]})
-        pending = (step, step_metrics, {**host, **counters})
+        pending = (step, step_metrics, {**_rollout_summary(ro), **counters})
 
         is_eval = step % config.eval_every == 0 or step == config.steps
         is_checkpoint = step % config.checkpoint_every == 0 or step == config.steps
@@ -206,7 +166,7 @@ def _train(config, workdir, held, preempt):
             writer.flush()
         if is_eval or step % config.log_every == 0:
             progress.print(step, {**({"eval/pass_rate": last_eval["pass_rate"]} if is_eval else {}),
-                                  "reward_mean": float(rewards.mean())})
+                                  "reward_mean": float(ro.rewards.mean())})
         stop = preempt.agreed()  # a signal: every process saves this step and stops
         if is_checkpoint or stop:
             save_checkpoint()
@@ -228,6 +188,80 @@ def _train(config, workdir, held, preempt):
 def _drain(pending):
     step, device_metrics, host = pending
     return step, {**jax.device_get(device_metrics), **host}
+
+
+def _start_state(config, task, train_cfg, gen_cfg, optimizer, state_sh, mesh, ckpts, workdir, base_rng, gen_kw):
+    """(step, state, checkpoint meta, restored): the newest usable checkpoint, else step 0 from
+    config.init_checkpoint or a supervised warm start (initial_params)."""
+    abstract = jax.eval_shape(lambda: ts.init_state(train_cfg, optimizer, base_rng, mesh, state_sh))
+    abstract = checkpoint.abstract_like(abstract, state_sh)
+    restored = ckpts.restore_latest(abstract)
+    if restored is not None:
+        step, state, meta = restored
+        log.info("resumed from %s at step %d", ckpts.directory, step)
+        return step, state, meta, True
+    params = initial_params(config, task, train_cfg, gen_cfg, mesh, workdir, abstract["params"], gen_kw)
+    state = {"params": params, "opt_state": jax.jit(optimizer.init, out_shardings=state_sh["opt_state"])(params),
+             "step": jnp.zeros((), jnp.int32)}
+    return 0, state, {"data": None, "compute_flops": 0.0, "accel_seconds": 0.0, "samples": 0}, False
+
+
+def _prompt_stream(config, task, meta):
+    """(No-Positive-Resampling filter or None, the training prompt stream), both at the checkpoint's
+    position when `meta` comes from one."""
+    npr = filters.NoPositiveResampling(task.tokenizer, config.rl.npr_threshold) if config.rl.no_positive_resampling else None
+    if npr is not None and meta.get("npr"):
+        npr.load(meta["npr"])  # before the iterator state: the stream's filter reads it
+    stream = data.prompt_stream(task, config.seed, config.rollout.prompts_per_step, keep=npr.keep if npr else None)
+    if meta["data"] is not None:
+        # pipeline mode: replay from before the groups in flight at the checkpoint (regenerated)
+        stream.set_state(meta["pipeline"]["stream"] if config.rollout.mode == "pipeline" and meta.get("pipeline")
+                         else meta["data"])
+    return npr, stream
+
+
+def _sync_rollouts(params, rng, config, gen_cfg, task, stream, length, *, record_routing, **gen_kw):
+    """This step's P prompt groups, generated now by the policy being trained (timed alone)."""
+    jax.block_until_ready(params)  # the sampler waits for them anyway; time generation alone
+    t_gen = time.time()
+    ro = collect.sync_rollouts(params, gen_cfg, task, stream, config.rollout.prompts_per_step,
+                               config.rollout.samples_per_prompt, rng, length=length,
+                               dynamic_rounds=config.rollout.dynamic_sampling and config.rollout.dynamic_sampling_rounds,
+                               record_routing=record_routing, **gen_kw)
+    return ro._replace(metrics={"time/rollout_s": time.time() - t_gen, **ro.metrics})
+
+
+def _pipeline_rollouts(rb, length):
+    """A pipeline batch (pipeline.StepData) as a step's rollouts: rewards shaped by length control."""
+    correct = (rb.rewards > 0).astype(np.float32)
+    return collect.StepRollouts(rb.prompt_tokens, rb.prompt_mask, rb.out, length.shape_rewards(rb.rewards, rb.out.lengths_B),
+                                correct, None, dict(rb.metrics), (rb.prompt_mask.sum(1), rb.out.lengths_B), rb.dropped)
+
+
+def _start_pipeline(config, task, stream, gen_cfg, params, step, meta, workdir, preempt):
+    """The background generator (pipeline.from_config), resumed from a checkpoint's `meta` if given."""
+    ledger = paths.join(workdir, "rollout_ledger", f"from_step{step}") if config.rollout.get("ledger") else ""
+    rollouts = pipeline.from_config(config, task, stream, gen_cfg, params, step,
+                                    resume=meta.get("pipeline") if meta else None, ledger=ledger)
+    if isinstance(rollouts, pipeline.Pipeline) and jax.process_count() == 1:  # a signal ends any wait
+        rollouts.interrupted = lambda: preempt.signum is not None
+    return rollouts
+
+
+def _rollout_summary(ro):
+    """A step's rollout scalars for the metrics writer."""
+    return {"truncation_rate": float(ro.out.truncated_B.mean()), "interruption_rate": float(ro.out.interrupted_B.mean()),
+            "response_len": float(ro.out.lengths_B.mean()), "pass_rate_train": float(ro.correct.mean()), **ro.metrics}
+
+
+def _step_flops(train_cfg, ro, G):
+    """A step's compute: generating every sequence sampled (a group's prompt prefilled once;
+    dynamic sampling's set-aside groups and the pipeline's dropped stale groups were generated
+    too) plus one training pass over the batch (k minibatches split it)."""
+    gen_flops = sum(compute.sequence_flops(train_cfg, *lens, group_size=G)[0] for lens in (ro.generated, ro.dropped)
+                    if len(lens[0]))
+    _, train_flops = compute.sequence_flops(train_cfg, ro.prompt_mask.sum(1), ro.out.lengths_B)
+    return gen_flops + train_flops
 
 
 def initial_params(config, task, train_cfg, gen_cfg, mesh, workdir, abstract, gen_kw):

@@ -72,9 +72,10 @@ class StepRollouts(NamedTuple):
     out: sampler.Samples  # host arrays, P*G rows
     rewards: np.ndarray  # [P*G] training reward (length control applied)
     correct: np.ndarray  # [P*G] 1.0 where the verifier's reward is positive (pass rate, NPR)
-    problems: list  # [P]
+    problems: list | None  # [P]; None from the pipeline
     metrics: dict
     generated: tuple  # (prompt lengths, completion lengths) of every sequence sampled: compute
+    dropped: tuple = ((), ())  # the same, of sequences generated but not trained on (the pipeline's stale groups)
 
 
 def sync_rollouts(params, gen_cfg, task, stream, P, G, rng, *, length, dynamic_rounds=0, **gen_kw) -> StepRollouts:
