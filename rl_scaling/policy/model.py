@@ -297,28 +297,7 @@ class Decoder(nn.Module):
         table_VD = sharding.constrain(embed.astype(dtype), ("vocab", None))
         x_BTD = sharding.constrain(jnp.take(table_VD, tokens_BT, axis=0), ("batch", "length", "embed"))
 
-        B, T = tokens_BT.shape
-        if cache is None:
-            cache_index_B = None
-            q_slot_BT = jnp.broadcast_to(jnp.arange(T), (B, T))
-            valid_BS, kv_slot_S, kv_pos_BS = token_mask_BT, jnp.arange(T), positions_BT
-            new_valid = None
-        else:
-            cache_index_B = cache["index"]
-            q_slot_BT = cache_index_B[:, None] + jnp.arange(T)
-            S = cache["valid"].shape[1]
-            write = jax.vmap(lambda c, u, i: jax.lax.dynamic_update_slice(c, u, (i,)))
-            new_valid = write(cache["valid"], token_mask_BT, cache_index_B)
-            new_pos = write(cache["pos"], positions_BT.astype(cache["pos"].dtype), cache_index_B)
-            valid_BS, kv_slot_S, kv_pos_BS = new_valid, jnp.arange(S), new_pos
-        causal_BTS = kv_slot_S[None, None, :] <= q_slot_BT[:, :, None]
-        global_BTS = causal_BTS & valid_BS[:, None, :]
-        masks = {"global": global_BTS}
-        if cfg.nope_layer_interval:
-            chunk = cfg.attention_chunk_size or (1 << 30)
-            same_chunk = (kv_pos_BS[:, None, :] // chunk) == (positions_BT[:, :, None] // chunk)
-            masks["local"] = global_BTS & same_chunk
-
+        masks, cache_index_B, new_valid, new_pos = attention_masks(cfg, positions_BT, token_mask_BT, cache)
         unrolled = cache is not None or not (cfg.scan_layers or cfg.num_experts or self.is_initializing())
         if not unrolled:  # training and scoring: one scanned layer, compiled once
             block = Block
@@ -341,32 +320,8 @@ class Decoder(nn.Module):
             # every step; the weights may come pre-split (`split_layers`, once per sampling
             # call) so their slices are not copied per step either.
             record = bool(cfg.num_experts) and self.is_mutable_collection("intermediates")
-
-            def run_layer(layer_variables, x_BTD, kv, i):
-                r = None if routing is None else routing[:, :, i]
-                out = Block(cfg, self.query_offset).apply(layer_variables, (x_BTD, kv), i, positions_BT, masks,
-                                                          cache_index_B, r, mutable=["intermediates"] if record else False)
-                ((x_BTD, kv), _), inter = out if record else (out, {})
-                return x_BTD, kv, inter.get("intermediates", {}).get("moe", {}).get("expert_idx", (None,))[0]
-
-            if cfg.remat and cache is None:
-                run_layer = jax.checkpoint(run_layer, static_argnums=(3,), prevent_cse=False)
-            per_layer = self.variables["params"]["layers"]
-            if not isinstance(per_layer, (list, tuple)):
-                per_layer = split_layers({"layers": per_layer})["layers"]
-            new_k, new_v, expert_idx = [], [], []
-            for i, layer_params in enumerate(per_layer):
-                kv = None if cache is None else (cache["k"][i], cache["v"][i])
-                x_BTD, kv, idx_SK = run_layer({"params": layer_params}, x_BTD, kv, i)
-                expert_idx.append(idx_SK)
-                # The scan's carry stores the residual stream in cfg.dtype between layers; without
-                # the barrier XLA fuses across layers and skips that rounding, and a bfloat16
-                # generator would drift from the trainer's recompute of its log-probs.
-                x_BTD = jax.lax.optimization_barrier(x_BTD)
-                if kv is not None:
-                    new_k.append(kv[0])
-                    new_v.append(kv[1])
-            new_kv = (tuple(new_k), tuple(new_v))
+            x_BTD, new_kv, expert_idx = _unrolled_layers(cfg, self.query_offset, self.variables["params"]["layers"],
+                                                         x_BTD, cache, positions_BT, masks, cache_index_B, routing, record)
             if record:  # the scan's layout: [n_layers, B*T, k]
                 self.sow("intermediates", "expert_idx", jnp.stack(expert_idx))
         x_BTD = RMSNorm(cfg.norm_eps, dtype, name="final_norm")(x_BTD)
@@ -386,7 +341,7 @@ class Decoder(nn.Module):
             return logits_BTV, None
         new_cache = {
             "k": new_kv[0], "v": new_kv[1], "valid": new_valid, "pos": new_pos,
-            "index": cache_index_B + T,
+            "index": cache_index_B + tokens_BT.shape[1],
         }
         return logits_BTV, new_cache
 
@@ -394,6 +349,61 @@ class Decoder(nn.Module):
         """The LM head's logits [B, T, V] in float32 (lm_head); a named method that a decoding
         backend may replace (see Attention.project_qkv)."""
         return lm_head(x_BTD, kernel_DV, self.cfg)
+
+
+def attention_masks(cfg: ModelConfig, positions_BT, token_mask_BT, cache):
+    """(masks, cache_index_B, the cache's new valid and pos rows) for one forward: "global" is
+    causal over the valid slots (the T new tokens', or the cache's once they are written), and
+    with NoPE layers "local" also keeps each query to its own attention chunk. Without a cache
+    the last three are None."""
+    B, T = token_mask_BT.shape
+    if cache is None:
+        cache_index_B = new_valid = new_pos = None
+        q_slot_BT = jnp.broadcast_to(jnp.arange(T), (B, T))
+        valid_BS, kv_slot_S, kv_pos_BS = token_mask_BT, jnp.arange(T), positions_BT
+    else:
+        cache_index_B = cache["index"]
+        q_slot_BT = cache_index_B[:, None] + jnp.arange(T)
+        write = jax.vmap(lambda c, u, i: jax.lax.dynamic_update_slice(c, u, (i,)))
+        new_valid = write(cache["valid"], token_mask_BT, cache_index_B)
+        new_pos = write(cache["pos"], positions_BT.astype(cache["pos"].dtype), cache_index_B)
+        valid_BS, kv_slot_S, kv_pos_BS = new_valid, jnp.arange(cache["valid"].shape[1]), new_pos
+    global_BTS = (kv_slot_S[None, None, :] <= q_slot_BT[:, :, None]) & valid_BS[:, None, :]
+    masks = {"global": global_BTS}
+    if cfg.nope_layer_interval:
+        chunk = cfg.attention_chunk_size or (1 << 30)
+        same_chunk = (kv_pos_BS[:, None, :] // chunk) == (positions_BT[:, :, None] // chunk)
+        masks["local"] = global_BTS & same_chunk
+    return masks, cache_index_B, new_valid, new_pos
+
+
+def _unrolled_layers(cfg, query_offset, layers, x_BTD, cache, positions_BT, masks, cache_index_B, routing, record):
+    """The decoder layers one by one over the stacked (or `split_layers`) params: (x_BTD, the
+    new (k, v) per layer, each layer's recorded experts when `record`)."""
+    def run_layer(layer_variables, x_BTD, kv, i):
+        r = None if routing is None else routing[:, :, i]
+        out = Block(cfg, query_offset).apply(layer_variables, (x_BTD, kv), i, positions_BT, masks,
+                                             cache_index_B, r, mutable=["intermediates"] if record else False)
+        ((x_BTD, kv), _), inter = out if record else (out, {})
+        return x_BTD, kv, inter.get("intermediates", {}).get("moe", {}).get("expert_idx", (None,))[0]
+
+    if cfg.remat and cache is None:
+        run_layer = jax.checkpoint(run_layer, static_argnums=(3,), prevent_cse=False)
+    if not isinstance(layers, (list, tuple)):
+        layers = split_layers({"layers": layers})["layers"]
+    new_k, new_v, expert_idx = [], [], []
+    for i, layer_params in enumerate(layers):
+        kv = None if cache is None else (cache["k"][i], cache["v"][i])
+        x_BTD, kv, idx_SK = run_layer({"params": layer_params}, x_BTD, kv, i)
+        expert_idx.append(idx_SK)
+        # The scan's carry stores the residual stream in cfg.dtype between layers; without
+        # the barrier XLA fuses across layers and skips that rounding, and a bfloat16
+        # generator would drift from the trainer's recompute of its log-probs.
+        x_BTD = jax.lax.optimization_barrier(x_BTD)
+        if kv is not None:
+            new_k.append(kv[0])
+            new_v.append(kv[1])
+    return x_BTD, (tuple(new_k), tuple(new_v)), expert_idx
 
 
 def lm_head(x_BTD, kernel_DV, cfg: ModelConfig):
