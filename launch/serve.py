@@ -13,8 +13,8 @@ replica polls the directory the trainer writes (--config.rollout.weights_dir=DIR
 taking pushes. The server holds no weights until the trainer pushes them, or starts from
 --params (an Orbax params checkpoint such as WORKDIR/warmstart/params, or a Hugging Face
 directory); it serves the `rl_scaling.Rollout` gRPC service described in
-rl_scaling/rollout/server.py. With --jetstream it also serves JetStream's `Orchestrator`
-API (Decode, HealthCheck; rl_scaling/rollout/jetstream_service.py) over the same engine and
+rl_scaling/serving/server.py. With --jetstream it also serves JetStream's `Orchestrator`
+API (Decode, HealthCheck; rl_scaling/serving/jetstream_service.py) over the same engine and
 weights, for JetStream's stock clients:
 
     python launch/serve.py --config=configs/tiny.py --port=9000 --jetstream --params=runs/tiny/warmstart/params
@@ -64,7 +64,7 @@ def main(argv):
     import jax
 
     from rl_scaling import paths
-    from rl_scaling.rollout import server as server_lib
+    from rl_scaling.serving import server as server_lib
 
     try:
         token = server_lib.load_token(_TOKEN_FILE.value)

@@ -15,13 +15,13 @@ from flax import linen as nn
 from rl_scaling import data, sharding, tasks
 from rl_scaling.policy import model as model_lib, moe, presets
 from rl_scaling.rl import train_step as ts
-from rl_scaling.rollout import client as client_lib
+from rl_scaling.serving import client as client_lib
 from rl_scaling.rollout import collect
 from rl_scaling.rollout import engine as engine_lib
 from rl_scaling.rollout import generator as generator_lib
 from rl_scaling.rollout import pipeline as pipeline_lib
-from rl_scaling.rollout import server as server_lib
-from rl_scaling.rollout import wire
+from rl_scaling.serving import server as server_lib
+from rl_scaling.serving import wire
 from rl_scaling.tasks.tokenizer import CharTokenizer
 
 TOK = CharTokenizer()

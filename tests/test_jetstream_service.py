@@ -23,7 +23,7 @@ import pytest
 from rl_scaling.policy import model as model_lib
 from rl_scaling.rollout import engine as engine_lib
 from rl_scaling.rollout import generator as generator_lib
-from rl_scaling.rollout import server as server_lib
+from rl_scaling.serving import server as server_lib
 from rl_scaling.rollout.jetstream_compat import jetstream_pb2 as pb
 from rl_scaling.rollout.jetstream_compat import jetstream_pb2_grpc
 from rl_scaling.tasks.tokenizer import CharTokenizer

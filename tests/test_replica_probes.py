@@ -12,9 +12,9 @@ import grpc
 import numpy as np
 
 from rl_scaling import data, tasks
-from rl_scaling.rollout import client as client_lib
+from rl_scaling.serving import client as client_lib
 from rl_scaling.rollout import pipeline as pipeline_lib
-from rl_scaling.rollout import server as server_lib
+from rl_scaling.serving import server as server_lib
 from tests.test_engine import make_engine
 from tests.test_pipeline import G, P, T, _Scripted
 

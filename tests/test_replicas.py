@@ -11,11 +11,11 @@ import numpy as np
 import pytest
 
 from rl_scaling import data, tasks
-from rl_scaling.rollout import client as client_lib
+from rl_scaling.serving import client as client_lib
 from rl_scaling.rollout import pipeline as pipeline_lib
-from rl_scaling.rollout import server as server_lib
-from rl_scaling.rollout import weights_dir as weights_dir_lib
-from rl_scaling.rollout import wire
+from rl_scaling.serving import server as server_lib
+from rl_scaling.serving import weights_dir as weights_dir_lib
+from rl_scaling.serving import wire
 from tests.test_engine import make_engine
 from tests.test_gcs import gcs  # noqa: F401 - the GCS emulator fixture
 

@@ -20,7 +20,7 @@ from rl_scaling import data, tasks
 from rl_scaling.rl import train_step as ts
 from rl_scaling.rollout import engine as engine_lib
 from rl_scaling.rollout import pipeline as pipeline_lib
-from rl_scaling.rollout import server as server_lib
+from rl_scaling.serving import server as server_lib
 from tests.conftest import TINY
 from tests.test_engine import make_engine
 

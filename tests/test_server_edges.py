@@ -13,9 +13,9 @@ import jax
 import numpy as np
 import pytest
 
-from rl_scaling.rollout import client as client_lib
-from rl_scaling.rollout import server as server_lib
-from rl_scaling.rollout import wire
+from rl_scaling.serving import client as client_lib
+from rl_scaling.serving import server as server_lib
+from rl_scaling.serving import wire
 from rl_scaling.rollout.errors import RolloutError
 from tests.test_engine import make_engine
 

@@ -109,7 +109,7 @@ def _no_full_host_copy(monkeypatch, params):
 
 @pytest.mark.parametrize("fp32_lm_head, tie", [(True, False), (False, False), (True, True)])
 def test_cast_for_push_casts_on_device_and_keeps_the_lm_head(mesh8, fp32_lm_head, tie):
-    from rl_scaling.rollout import wire
+    from rl_scaling.serving import wire
 
     cfg = _tiny(tie_embeddings=tie)
     params = _init(cfg, mesh8)
@@ -131,10 +131,10 @@ def test_cast_for_push_casts_on_device_and_keeps_the_lm_head(mesh8, fp32_lm_head
 
 def test_a_bad_push_dtype_is_a_named_error():
     from configs import dense_8b, scout_moe, tiny
-    from rl_scaling.rollout import client as client_lib
-    from rl_scaling.rollout import multihost
+    from rl_scaling.serving import client as client_lib
+    from rl_scaling.serving import multihost
     from rl_scaling.rollout import pipeline as pipeline_lib
-    from rl_scaling.rollout import wire
+    from rl_scaling.serving import wire
 
     config = tiny.get_config()
     assert config.rollout.push_dtype == ""  # the tiny runs stay bit-exact
@@ -158,7 +158,7 @@ def test_a_bad_push_dtype_is_a_named_error():
 @pytest.mark.parametrize("where", ["local", "gs"])
 def test_directory_round_trip_is_exact(mesh8, mesh1, tmp_path, where, push_dtype, request, monkeypatch):
     from rl_scaling import paths
-    from rl_scaling.rollout import weights_dir, wire
+    from rl_scaling.serving import weights_dir, wire
 
     directory = str(tmp_path / "weights")
     if where == "gs":
@@ -190,7 +190,7 @@ def test_directory_round_trip_is_exact(mesh8, mesh1, tmp_path, where, push_dtype
 
 
 def test_a_version_that_does_not_fit_the_model_is_a_named_error(mesh1, tmp_path):
-    from rl_scaling.rollout import weights_dir, wire
+    from rl_scaling.serving import weights_dir, wire
 
     cfg = _tiny()
     host = {k: np.asarray(v) for k, v in _flat(jax.device_get(_init(cfg, mesh1))).items()}
@@ -225,7 +225,7 @@ def test_broadcast_pipeline_writes_shards_and_gathers_only_for_the_grpc_push(mes
     write never copies the tree to host; the gRPC branch assembles process 0's host copy piece
     by piece, equal to the reference."""
     from rl_scaling import distributed
-    from rl_scaling.rollout import multihost, weights_dir
+    from rl_scaling.serving import multihost, weights_dir
 
     cfg = _tiny()
     params = _init(cfg, mesh8)
@@ -258,8 +258,8 @@ def test_broadcast_pipeline_writes_shards_and_gathers_only_for_the_grpc_push(mes
 def test_bfloat16_weights_reach_the_replica(mesh1, mesh8, tmp_path, channel, monkeypatch):
     """A trainer's RemoteBackend with push_dtype=bfloat16 and a real server: the engine holds
     the bfloat16 values (in its own float32) and the float32 LM head, by gRPC push or directory."""
-    from rl_scaling.rollout import client as client_lib
-    from rl_scaling.rollout import server as server_lib
+    from rl_scaling.serving import client as client_lib
+    from rl_scaling.serving import server as server_lib
     from tests.test_engine import make_engine
 
     cfg = _tiny()
@@ -315,7 +315,7 @@ def test_two_trainer_processes_write_only_their_own_shards(tmp_path, mesh1):
     here in one process equals the reference, and the gRPC branch's host copy exists on process 0
     only, equal to it too."""
     from rl_scaling import paths
-    from rl_scaling.rollout import weights_dir
+    from rl_scaling.serving import weights_dir
 
     port = _free_port()
     procs = []
@@ -355,7 +355,7 @@ def _worker(out: str) -> None:
     assert distributed.initialize() and jax.process_count() == 2
     from jax.experimental import multihost_utils
 
-    from rl_scaling.rollout import multihost
+    from rl_scaling.serving import multihost
 
     mesh = sharding.make_mesh({"fsdp": 4})
     params = _init(_tiny(), mesh)

@@ -422,7 +422,7 @@ def check_config(config) -> None:
     for name in ("max_staleness", "queue_size", "engine_slots", "engine_devices"):
         if rc[name] < 0:
             raise ValueError(f"config.rollout.{name} must be >= 0, got {rc[name]}")
-    from rl_scaling.rollout import wire
+    from rl_scaling.serving import wire
 
     wire.check_push_dtype(rc.get("push_dtype", ""))
 
@@ -457,7 +457,7 @@ def routing_shape(config, gen_cfg) -> tuple | None:
 
 def servers_of(config) -> list[str]:
     """The replica addresses: rollout.servers ('HOST:PORT,HOST:PORT,...'), or the one rollout.server."""
-    from rl_scaling.rollout import client
+    from rl_scaling.serving import client
 
     rc = config.rollout
     return client.parse_servers(rc.get("servers", "") or rc.server)
@@ -480,7 +480,7 @@ def from_config(config, task, stream, gen_cfg, params, version: int, *, resume: 
     pipe = None
     if jax.process_index() == 0:
         if servers:
-            from rl_scaling.rollout import client, wire
+            from rl_scaling.serving import client, wire
 
             backend = client.RemoteBackend(servers, expected=wire.fingerprint(config), reconnect_s=rc.reconnect_s,
                                            token=wire.load_token(rc.get("token_file", "")),
@@ -495,7 +495,7 @@ def from_config(config, task, stream, gen_cfg, params, version: int, *, resume: 
                         max_staleness=rc.max_staleness, stale_policy=rc.stale_policy, queue_size=rc.queue_size,
                         skip_prompts=(resume or {}).get("skip"), routing_shape=routing)
     if jax.process_count() > 1 or ledger:
-        from rl_scaling.rollout import multihost
+        from rl_scaling.serving import multihost
 
         pipe = multihost.BroadcastPipeline(pipe, task.tokenizer, G, ledger=ledger, weights_dir=rc.get("weights_dir", ""),
                                            push_dtype=rc.get("push_dtype", ""), fp32_lm_head=rc.fp32_lm_head,

@@ -43,9 +43,9 @@ import grpc
 import jax
 import numpy as np
 
-from rl_scaling.rollout import weights_dir as weights_dir_lib
+from rl_scaling.serving import weights_dir as weights_dir_lib
 from rl_scaling.rollout.errors import RolloutError
-from rl_scaling.rollout.wire import (OPTIONS, SERVICE, TOKEN_METADATA, BadRequest, cast_for_push, check_push_dtype,
+from rl_scaling.serving.wire import (OPTIONS, SERVICE, TOKEN_METADATA, BadRequest, cast_for_push, check_push_dtype,
                                      pack, read_result, unpack, weight_chunks)
 
 log = logging.getLogger(__name__)

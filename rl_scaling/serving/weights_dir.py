@@ -32,7 +32,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 
 from rl_scaling import paths
-from rl_scaling.rollout import wire
+from rl_scaling.serving import wire
 
 log = logging.getLogger(__name__)
 

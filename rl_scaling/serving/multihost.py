@@ -43,8 +43,9 @@ import jax
 import numpy as np
 
 from rl_scaling import distributed, paths
-from rl_scaling.rollout import sampler, wire
-from rl_scaling.rollout import weights_dir as weights_dir_lib
+from rl_scaling.rollout import sampler
+from rl_scaling.serving import wire
+from rl_scaling.serving import weights_dir as weights_dir_lib
 from rl_scaling.rollout.errors import RolloutError
 from rl_scaling.rollout.pipeline import StepData
 

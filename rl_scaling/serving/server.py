@@ -10,7 +10,7 @@ Why a service of ours for RL and not JetStream's stock gRPC `Decode`: that API r
 ids and text only; RL needs each token's generator log-prob and policy version, and log-probs
 recomputed on the trainer would not be those the sampler drew from. With `jetstream=True`
 (`launch/serve.py --jetstream`) the same server also speaks JetStream's `Orchestrator` API over
-the same engine and weights, for JetStream's stock clients (rollout/jetstream_service.py).
+the same engine and weights, for JetStream's stock clients (jetstream_service.py).
 
 The service uses grpc's generic handlers (no generated code); messages are wire.py's .npz
 archives, never unpickled. Every request is checked field by field before it touches the
@@ -74,10 +74,10 @@ from flax import linen as nn
 
 from rl_scaling.policy import model as model_lib
 from rl_scaling.rollout import generator as generator_lib
-from rl_scaling.rollout import weights_dir as weights_dir_lib
-from rl_scaling.rollout.client import RemoteBackend  # noqa: F401 - re-exported: the service's client
+from rl_scaling.serving import weights_dir as weights_dir_lib
+from rl_scaling.serving.client import RemoteBackend  # noqa: F401 - re-exported: the service's client
 from rl_scaling.rollout.errors import RolloutError  # noqa: F401 - re-exported
-from rl_scaling.rollout.wire import (  # noqa: F401 - re-exported for the service's users
+from rl_scaling.serving.wire import (  # noqa: F401 - re-exported for the service's users
     CHUNK_BYTES, OPTIONS, RESULT_FIELDS, SERVICE, TOKEN_ENV, TOKEN_METADATA, BadRequest, _leaf_keys, check_prompt, field,
     fingerprint, load_token, pack, read_weight_chunks, result_arrays, unpack, weight_chunks)
 
@@ -243,7 +243,7 @@ class RolloutServer:
         }
         services = [grpc.method_handlers_generic_handler(SERVICE, handlers)]
         if jetstream:
-            from rl_scaling.rollout import jetstream_service  # it builds on this module
+            from rl_scaling.serving import jetstream_service  # it builds on this module
 
             services.append(jetstream_service.Orchestrator(self).service())
         interceptors = [TokenCheck(token)] if token else []
