@@ -89,9 +89,9 @@ results-extension: venv
 # The model-size axis: ScaleRL at 0.44M (size=m) and 1.5M (size=l) parameters, 2 seeds each at
 # SIZE_SAMPLES (1,536,000: 2x the recipe sweep's budget, evals every 32k samples as there), each size
 # with its own warm start (sizes/<size>/warmstart); size s is the recipe sweep's ScaleRL seeds 0 and 1
-# at 768k. Then one fit of the three sizes (fit_sizes/). Measured per run: m 39 min, l ~100 min (one
-# core each, two at a time): ~2 h 20 min on a quiet 2-core machine; resumable like every sweep.
-# Shipped: m at 1,536,000; l at 768,000 (the runs of SIZE_SAMPLES=768000).
+# at 768k. Then one fit of the three sizes (fit_sizes/). Measured per run: m 39 min, l 113 min (one
+# core each, two at a time): ~2 h 30 min on a quiet 2-core machine; resumable like every sweep.
+# Shipped: m and l at 1,536,000.
 SIZE_SAMPLES ?= $(shell echo $$(( 2 * $(LAW_SAMPLES) )))
 results-sizes: venv
 	for size in l m; do JAX_PLATFORMS=cpu $(BIN)/python launch/sweep.py \

@@ -26,6 +26,12 @@ BEGIN, END = "<!-- law-report -->", "<!-- /law-report -->"
 RECIPES = ("scalerl", "minimax", "dapo", "grpo", "magistral")
 
 
+def _why_unidentified(rec):
+    """The fit's reasons for not reporting A (fit.json's messages after the headline), in short."""
+    reasons = [m for m in rec["messages"][1:] if not m.startswith("lack_of_fit")]
+    return ", ".join(r.split(":")[0] for r in reasons) or "see fit.json"
+
+
 def _load(results, name):
     path = os.path.join(results, name)
     if not os.path.exists(path):
@@ -198,9 +204,9 @@ def sizes_section(results):
     lines.append("")
     unmeasured = [z for z in recs if recs[z]["A"] is None]
     if unmeasured:
-        lines.append(f"- The ceilings of size(s) {', '.join(unmeasured)} are not identifiable at these budgets (their "
-                     "windows end before most of the gain): they need larger budgets before the axis says whether "
-                     "a larger policy reaches a higher ceiling (`make results-sizes SIZE_SAMPLES=N` reruns them from their "
+        why = "; ".join(f"{z}: {_why_unidentified(recs[z])}" for z in unmeasured)
+        lines.append(f"- The ceilings of size(s) {', '.join(unmeasured)} are not identifiable at these budgets ({why}): "
+                     "the axis does not yet say whether a larger policy reaches a higher ceiling (`make results-sizes SIZE_SAMPLES=N` reruns them from their "
                      "warm starts once their `sizes/<size>/scalerl+size=<size>` runs are moved away: finished runs "
                      "are skipped and checkpoints are not shipped).")
     order = sorted(recs, key="sml".index)
