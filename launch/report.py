@@ -206,9 +206,9 @@ def sizes_section(results):
     if unmeasured:
         why = "; ".join(f"{z}: {_why_unidentified(recs[z])}" for z in unmeasured)
         lines.append(f"- The ceilings of size(s) {', '.join(unmeasured)} are not identifiable at these budgets ({why}): "
-                     "the axis does not yet say whether a larger policy reaches a higher ceiling (`make results-sizes SIZE_SAMPLES=N` reruns them from their "
-                     "warm starts once their `sizes/<size>/scalerl+size=<size>` runs are moved away: finished runs "
-                     "are skipped and checkpoints are not shipped).")
+                     "the axis does not yet say whether a larger policy reaches a higher ceiling (`make results-sizes SIZE_SAMPLES=N` "
+                     "extends finished runs from their last checkpoints; the shipped runs keep none, so it reruns them from their "
+                     "warm starts once their `sizes/<size>/scalerl+size=<size>` runs are moved away).")
     order = sorted(recs, key="sml".index)
     for small, large in zip(order, order[1:]):
         a, b = recs[small], recs[large]

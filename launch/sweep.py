@@ -11,7 +11,9 @@ more `--config.` overrides to every run.
 
 Layout: DIR/warmstart (one supervised warm start, shared by every run: the "base model"; skip
 with --init_checkpoint=PATH), DIR/<label>/seed<k> (one launch/run.py workdir each, log in
-run.log; a finished run is skipped when the sweep is re-run, an interrupted one resumes),
+run.log; a finished run is skipped when the sweep is re-run, an interrupted one resumes, and a
+finished one whose config now plans more steps, a larger `samples=`, resumes from its last
+checkpoint to the new budget: one curve, as the learning rate is constant after warm-up),
 DIR/fit (launch/fit.py: fit.json, per-recipe fits, asymptotes.png, heatmap.png),
 DIR/curves.png (raw held-out pass rate against compute), DIR/comparison.md (the table),
 DIR/sweep.json (commands, wall times, exit codes). With --name=NAME these four are fit_NAME/,
@@ -110,7 +112,8 @@ def _config_flag(config, **args):
 
 
 def _check_config_arg(flag, label):
-    """Build the config of `--config=PATH:ARGS` (ml_collections only, no jax) to surface bad args."""
+    """Build the config of `--config=PATH:ARGS` (ml_collections only, no jax) to surface bad args.
+    Returns its planned steps."""
     import importlib.util
 
     path, _, arg = flag.removeprefix("--config=").partition(":")
@@ -118,13 +121,21 @@ def _check_config_arg(flag, label):
     module = importlib.util.module_from_spec(spec)
     try:
         spec.loader.exec_module(module)
-        module.get_config(arg)
+        config = module.get_config(arg)
     except (ValueError, KeyError, AttributeError) as e:
         raise SystemExit(f"--recipes: {label!r} gives {path} the config args {arg!r}: {e}") from None
+    return config.get("steps")
+
+
+def _steps_override(flags):
+    """The last `--config.steps=N` among a run's flags, else None."""
+    found = [f.split("=", 1)[1] for f in flags if f.startswith("--config.steps=")]
+    return int(found[-1]) if found else None
 
 
 def plan(args):
-    """The warm-start command (or None), the runs [(label, seed, workdir, cmd)] and the init path."""
+    """The warm-start command (or None), the runs [(label, seed, workdir, cmd)], the init path and
+    each run's planned steps {workdir: steps or None}."""
     specs = parse_recipes(args.recipes)
     if args.seeds < 1:
         raise SystemExit("--seeds must be >= 1")
@@ -137,16 +148,19 @@ def plan(args):
         init = paths.join(ws_dir, "warmstart", "params")
         warm = [args.python, run_py, _config_flag(args.config, recipe=specs[0][1], seed=0), f"--workdir={ws_dir}",
                 *extra, "--config.steps=1", "--config.eval_every=1", "--config.checkpoint_every=1"]
-    for label, name, _, config_args in specs:  # a bad config-file arg fails here, not runs later
-        _check_config_arg(_config_flag(args.config, recipe=name, seed=0, **config_args), label)
-    runs = []
+    steps = {}
+    for label, name, overrides, config_args in specs:  # a bad config-file arg fails here, not runs later
+        steps[label] = _check_config_arg(_config_flag(args.config, recipe=name, seed=0, **config_args), label)
+        steps[label] = _steps_override(overrides + extra) or steps[label]
+    runs, planned = [], {}
     for seed in range(args.seeds):  # seed-major: a complete comparison exists after the first pass
         for label, name, overrides, config_args in specs:
             wd = paths.join(workdir, label, f"seed{seed}")
             cmd = [args.python, run_py, _config_flag(args.config, recipe=name, seed=seed, **config_args), f"--workdir={wd}",
                    f"--config.init_checkpoint={init}", *overrides, *extra]
             runs.append((label, seed, wd, cmd))
-    return warm, runs, init
+            planned[wd] = steps[label]
+    return warm, runs, init, planned
 
 
 def output(args, filename):
@@ -235,7 +249,18 @@ def prune_decision(workdirs_by_label, n_boot=200):
     return bounds, pruned
 
 
-def schedule(args, runs, record, workdir):
+def _extends(workdir, planned_steps):
+    """The steps a finished run ran, when this sweep plans more for it (else None)."""
+    ran = _planned(workdir)[0]
+    return ran if ran and planned_steps and ran < planned_steps else None
+
+
+def _has_checkpoint(workdir):
+    ckpts = os.path.join(workdir, "checkpoints")
+    return os.path.isdir(ckpts) and any(d.isdigit() for d in os.listdir(ckpts))
+
+
+def schedule(args, runs, record, workdir, planned=None):
     """Run the planned runs, `args.jobs` at a time; with --prune, refit at every new eval and stop
     the recipes the law rules out (SIGTERM: they checkpoint and exit 75, so a later sweep without
     --prune resumes them). Returns the run entries and the pruning record."""
@@ -259,7 +284,18 @@ def schedule(args, runs, record, workdir):
             i, (label, seed, wd, cmd) = queue.pop(0)
             entry = {"label": label, "seed": seed, "workdir": wd, "cmd": shlex.join(cmd)}
             entries[i] = entry
-            if os.path.exists(os.path.join(wd, DONE)):
+            done = os.path.exists(os.path.join(wd, DONE))
+            ran = done and _extends(wd, (planned or {}).get(wd))
+            if ran and not _has_checkpoint(wd):  # shipped results keep no checkpoints
+                print(f"[{i + 1}/{len(runs)}] {label} seed {seed}: finished at {ran} steps; {planned[wd]} are "
+                      f"planned but {wd}/checkpoints holds none to extend from: skipped (move the run away to "
+                      "rerun it from the start)", flush=True)
+                ran = None
+            if ran:
+                entry["extended_from_steps"] = ran
+                print(f"[{i + 1}/{len(runs)}] {label} seed {seed}: finished at {ran} steps, extended to "
+                      f"{planned[wd]} from its last checkpoint", flush=True)
+            elif done:
                 entry.update(json.load(open(os.path.join(wd, DONE))), skipped=True)
                 print(f"[{i + 1}/{len(runs)}] {label} seed {seed}: done before, skipped", flush=True)
                 continue
@@ -350,7 +386,7 @@ def compute_saved(runs, pruned):
 
 def main(argv=None):
     args = parse_args(argv)
-    warm, runs, init = plan(args)
+    warm, runs, init, planned = plan(args)
     if args.dry_run:
         if warm:
             print("# 1. the shared warm start (run first)")
@@ -379,7 +415,7 @@ def main(argv=None):
         if rc != 0 or not os.path.isdir(init):
             print(f"error: the warm start failed (exit {rc}); see {workdir}/warmstart/run.log", file=sys.stderr)
             return 1
-    record["runs"], record["pruned"] = schedule(args, runs, record, workdir)
+    record["runs"], record["pruned"] = schedule(args, runs, record, workdir, planned)
     # pruned runs that had started keep their partial curves in the fit
     ok = [r["workdir"] for r in record["runs"] if r.get("rc") == 0 or (r.get("pruned") and _evals(r["workdir"]))]
     failed = [f"{r['label']}/seed{r['seed']}" for r in record["runs"] if r.get("rc") != 0 and not r.get("pruned")]

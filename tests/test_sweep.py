@@ -7,6 +7,7 @@ import json
 import os
 import re
 import shlex
+import shutil
 import stat
 import sys
 
@@ -81,7 +82,11 @@ arg = dict(kv.split("=") for kv in flags["config"].split(":", 1)[1].split(","))
 label = flags.get("config.recipe", arg["recipe"])
 seed = int(arg["seed"])
 A = {{"scalerl": 0.6, "grpo": 0.45}}.get(arg["recipe"], 0.5)
-json.dump({{"recipe": label, "seed": seed}}, open(os.path.join(wd, "config.json"), "w"))
+sys.path.insert(0, {root!r})
+from configs import tiny
+steps = tiny.get_config(flags["config"].split(":", 1)[1]).steps  # the planned steps, as the trainer records them
+json.dump({{"recipe": label, "seed": seed, "steps": steps}}, open(os.path.join(wd, "config.json"), "w"))
+os.makedirs(os.path.join(wd, "checkpoints", str(steps)), exist_ok=True)
 with open(os.path.join(wd, "metrics.jsonl"), "w") as f:
     for i in range(25):
         c = i * 4e9
@@ -95,7 +100,7 @@ with open(os.path.join(wd, "metrics.jsonl"), "w") as f:
 
 def test_sweep_runs_fits_and_writes_the_comparison(tmp_path):
     fake = tmp_path / "fakepy"
-    fake.write_text(FAKE_PYTHON.format(python=sys.executable))
+    fake.write_text(FAKE_PYTHON.format(python=sys.executable, root=ROOT))
     fake.chmod(fake.stat().st_mode | stat.S_IEXEC)
     out = tmp_path / "sweep"
     argv = ["--recipes=scalerl,grpo", "--seeds=2", f"--workdir={out}", f"--python={fake}", "--fit_args=--n-boot=40",
@@ -119,6 +124,15 @@ def test_sweep_runs_fits_and_writes_the_comparison(tmp_path):
     assert (out / "calls.log").read_text().split() == calls
     assert (out / "comparison.md").read_text().split("in all")[1].split("\n", 1)[1] == \
         text.split("in all")[1].split("\n", 1)[1]
+    # twice the budget: the finished runs resume to it (the warm start is not redone), except one
+    # without a checkpoint to resume from (shipped results keep none), which is left as it is
+    shutil.rmtree(out / "grpo" / "seed1" / "checkpoints")
+    assert sweep.main(argv + ["--config=configs/tiny.py:samples=512000"]) == 0
+    assert (out / "calls.log").read_text().split() == calls + calls[1:4]
+    record = json.loads((out / "sweep.json").read_text())
+    assert [r.get("extended_from_steps") for r in record["runs"]] == [1000, 125, 1000, None]  # grpo: 8x the rows
+    assert [bool(r.get("skipped")) for r in record["runs"]] == [False, False, False, True]
+    assert [json.loads((out / r / "seed0" / "config.json").read_text())["steps"] for r in ("scalerl", "grpo")] == [2000, 250]
 
 
 SLOW_FAKE_PYTHON = r'''#!{python}
@@ -184,7 +198,7 @@ def test_prune_stops_a_recipe_the_law_rules_out(tmp_path):
 
 def test_named_comparison_reuses_the_runs_of_its_directory(tmp_path):
     fake = tmp_path / "fakepy"
-    fake.write_text(FAKE_PYTHON.format(python=sys.executable))
+    fake.write_text(FAKE_PYTHON.format(python=sys.executable, root=ROOT))
     fake.chmod(fake.stat().st_mode | stat.S_IEXEC)
     out = tmp_path / "sweep"
     common = [f"--workdir={out}", f"--python={fake}", "--fit_args=--n-boot=40", "--poll_s=0.1", "--seeds=2"]
