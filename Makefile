@@ -89,16 +89,20 @@ results-extension: venv
 # The model-size axis: ScaleRL at 0.44M (size=m) and 1.5M (size=l) parameters, 2 seeds each at
 # SIZE_SAMPLES (1,536,000: 2x the recipe sweep's budget, evals every 32k samples as there), each size
 # with its own warm start (sizes/<size>/warmstart); size s is the recipe sweep's ScaleRL seeds 0 and 1
-# at 768k. Then one fit of the three sizes (fit_sizes/). Measured per run: m 39 min, l 113 min (one
-# core each, two at a time): ~2 h 30 min on a quiet 2-core machine; resumable like every sweep.
-# Shipped: m and l at 1,536,000.
+# at 768k. Then two fits of the three sizes: fit_sizes/ with each window from 1.5/16 of its own compute
+# (the default), fit_sizes_start/ with every window from the same START_SAMPLES (s's default start,
+# 72k). Measured per run: m 39 min, l 113 min (one core each, two at a time): ~2 h 30 min on a quiet
+# 2-core machine; resumable like every sweep. Shipped: m and l at 1,536,000.
 SIZE_SAMPLES ?= $(shell echo $$(( 2 * $(LAW_SAMPLES) )))
+START_SAMPLES ?= $(shell echo $$(( 3 * $(LAW_SAMPLES) / 32 )))
 results-sizes: venv
 	for size in l m; do JAX_PLATFORMS=cpu $(BIN)/python launch/sweep.py \
 		--config=configs/tiny.py:samples=$(SIZE_SAMPLES),evals=$(call EVALS,$(SIZE_SAMPLES)),size=$$size \
 		--jobs=2 --workdir=$(RESULTS)/sizes/$$size --recipes=scalerl+size=$$size --seeds=2 || exit 1; done
 	$(BIN)/python launch/fit.py $(RESULTS)/scalerl/seed0 $(RESULTS)/scalerl/seed1 $(RESULTS)/sizes/m \
 		$(RESULTS)/sizes/l --out=$(RESULTS)/fit_sizes --noise=$(RESULTS)/noise.json
+	$(BIN)/python launch/fit.py $(RESULTS)/scalerl/seed0 $(RESULTS)/scalerl/seed1 $(RESULTS)/sizes/m \
+		$(RESULTS)/sizes/l --start-samples=$(START_SAMPLES) --out=$(RESULTS)/fit_sizes_start --noise=$(RESULTS)/noise.json
 
 # README's "The law on the tiny task" numbers, regenerated from the shipped results (no refit).
 report: venv

@@ -1,7 +1,7 @@
 """Fit the sigmoid compute law to eval curves; write fit.json and figures.
 
     python launch/fit.py WORKDIR_OR_FILE... [--out=DIR] [--axis=flops|accel_hours|steps]
-        [--method=direct|grid] [--c-min=C] [--c-max=C] [--r0=measured|fit|VALUE] [--n-boot=1000]
+        [--method=direct|grid] [--c-min=C] [--c-max=C] [--start-samples=N] [--r0=measured|fit|VALUE] [--n-boot=1000]
         [--holdout=0.5] [--budgets=C1,C2,...] [--predict-at=C1,...]
 
 Inputs: trainer workdirs (metrics.jsonl, searched recursively; seeds of one recipe are fitted together),
@@ -54,6 +54,10 @@ def parse_args(argv=None):
                     help="window start; default drops compute below 1.5/16 of the largest "
                          "(the paper's early phase); 0 keeps all")
     ap.add_argument("--c-max", type=float, default=None, help="window end (default: the largest compute)")
+    ap.add_argument("--start-samples", type=float, default=None,
+                    help="start every run's window at its first eval after this many generated samples "
+                         "(metrics.jsonl inputs), instead of 1.5/16 of each recipe's compute: a shared start "
+                         "for runs of different lengths or sizes, as the paper starts every run after 1.5k GPU-hours")
     ap.add_argument("--r0", default="measured", help="'measured' (eval at compute 0), 'fit', or a value")
     ap.add_argument("--n-boot", type=int, default=1000)
     ap.add_argument("--boot", choices=("residual", "parametric", "pairs", "seeds"), default=None,
@@ -114,7 +118,8 @@ def run(args):
     grid = {k: v for k, v in (("a_grid", _grid(args.a_grid, "a")), ("cmid_grid", _grid(args.cmid_grid, "c")))
             if v is not None}
     eval_sd = _eval_sd(args)
-    opts = api.Options(c_min=args.c_min, c_max=args.c_max, method=args.method, r0=r0, n_boot=args.n_boot,
+    opts = api.Options(c_min=args.c_min, c_max=args.c_max, start_samples=args.start_samples, method=args.method,
+                       r0=r0, n_boot=args.n_boot,
                        boot_method=args.boot, holdout=args.holdout or None, unit=args.grid_unit or runs[0].axis,
                        grid=grid, eval_sd=eval_sd, eval_sd_source=args.noise if eval_sd else "")
     groups = io.group_runs(runs)

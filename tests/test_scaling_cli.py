@@ -80,3 +80,27 @@ def test_cli_prints_named_warnings_and_no_ranking_from_unmeasured_ceilings(tmp_p
     assert data["comparison"]["ranking"] == [] and data["comparison"]["pairs"][0]["winner"] == "undecided"
     assert "not_identifiable" in {f["code"] for f in data["recipes"]["x"]["flags"]}
     assert data["budgets"]["shown"]["x"][-1] is False  # 8x the data: hidden in the heat map
+
+
+def test_start_samples_gives_runs_of_different_lengths_one_window_start(tmp_path, capsys):
+    """The fixture logs samples = 256 x step and compute = 1e12 x step, evals every 100 steps."""
+    root = tmp_path / "sizes"
+    write_workdir(root / "short" / "seed0", steps=range(0, 1001, 50))
+    write_workdir(root / "long" / "seed0", steps=range(0, 2001, 50))
+    out = tmp_path / "default"
+    assert _cli().main([str(root), f"--out={out}", "--n-boot=50"]) == 0
+    win = {k: v["window"] for k, v in json.loads((out / "fit.json").read_text())["recipes"].items()}
+    # default: from 1.5/16 of each recipe's own largest compute, the first eval at or after it
+    assert win["short"]["c_min"] == 100e12 and win["long"]["c_min"] == 200e12
+    out = tmp_path / "start"
+    assert _cli().main([str(root), f"--out={out}", "--n-boot=50", f"--start-samples={250 * 256}"]) == 0
+    win = {k: v["window"] for k, v in json.loads((out / "fit.json").read_text())["recipes"].items()}
+    assert win["short"]["c_min"] == win["long"]["c_min"] == 300e12  # the first eval after 250 steps' samples
+    assert win["short"]["c_max"] == 1000e12 and win["long"]["start_samples"] == 250 * 256
+    assert win["long"]["n_points"] == 18 and win["short"]["n_points"] == 8
+    csv = tmp_path / "curve.csv"  # a CSV has no samples column: said, naming the file
+    csv.write_text("compute,pass_rate\n" + "".join(f"{c},{0.1 + 0.04 * c}\n" for c in range(12)))
+    capsys.readouterr()
+    assert _cli().main([str(csv), f"--out={tmp_path / 'csv'}", "--start-samples=5"]) == 1
+    err = capsys.readouterr().err
+    assert "a window from 5 samples needs the generated samples at each eval" in err and "curve.csv" in err

@@ -41,6 +41,7 @@ def test_jsonl_axes_and_seed_grouping(tmp_path):
     r = groups["scalerl"][0]
     assert r.compute[0] == 0 and r.compute.size == 21 and r.compute[-1] == 2000e12
     assert r.stderr is not None and r.stderr[0] == 0.01
+    np.testing.assert_array_equal(r.samples, np.arange(0, 2001, 100) * 256)  # the generated samples at each eval
     hours = io.load_inputs([str(tmp_path / "results" / "scalerl" / "seed0")], axis="accel_hours")[0]
     np.testing.assert_allclose(hours.compute[-1], 2000 * 7.2 / 3600)
     steps = io.load_inputs([str(tmp_path / "results" / "scalerl" / "seed0" / "metrics.jsonl")], axis="steps")[0]
@@ -161,6 +162,7 @@ def test_relogged_evals_keep_the_last_record_of_each_step(tmp_path):
     (d / "metrics.jsonl").write_text("\n".join(lines + again) + "\n")
     run = io.load_inputs([str(d)])[0]
     np.testing.assert_array_equal(run.compute, first.compute)
+    np.testing.assert_array_equal(run.samples, first.samples)
     late = first.compute > 1000e12
     np.testing.assert_allclose(run.pass_rate[late], first.pass_rate[late] + 0.05)
     np.testing.assert_array_equal(run.pass_rate[~late], first.pass_rate[~late])

@@ -23,6 +23,10 @@ from rl_scaling.scaling.io import Run
 class Options:
     c_min: float | None = None  # None: drop the early phase as the paper does (fit.window_mask)
     c_max: float | None = None  # None: the largest compute
+    # the window starts at the first eval after this many generated samples in every run (metrics.jsonl
+    # 'samples'), instead of a fraction of each run's compute: the paper starts each window after the
+    # same 1.5k GPU-hours however long the run, so runs of different lengths or sizes share a start
+    start_samples: float | None = None
     method: str = "direct"  # or 'grid' (the paper's)
     r0: object = "measured"  # 'measured' (mean eval at C = 0, fitted when absent), 'fit', or a number
     n_boot: int = 1000
@@ -92,7 +96,7 @@ class Result:
             "flags": [{"code": k, "message": m} for k, m in self.flags],
             "messages": list(self.reasons) + [f"{k}: {m}" for k, m in self.flags if k != "not_identifiable"],
             "window": {"c_min": float(self.c.min()), "c_max": float(self.c.max()), "n_points": int(self.c.size),
-                       "requested": [self.opts.c_min, self.opts.c_max]},
+                       "requested": [self.opts.c_min, self.opts.c_max], "start_samples": self.opts.start_samples},
             "ssr": f.ssr, "rmse": float(np.sqrt(f.ssr / f.n)), "sigma": f.sigma,
             "bootstrap": {"method": self.boot.method, "n_boot": int(self.boot.theta.shape[0])},
         }
@@ -112,6 +116,19 @@ def _pool(runs):
     y = np.concatenate([r.pass_rate for r in runs])
     g = np.concatenate([np.full(r.compute.size, i) for i, r in enumerate(runs)])
     return c, y, g
+
+
+def _window(runs, c_all, opts):
+    """The pooled points inside the fit window: fit.window_mask's rule, or with opts.start_samples the
+    evals at or after that many generated samples in each run (and inside [c_min, c_max] when given)."""
+    if opts.start_samples is None:
+        return fitlib.window_mask(c_all, opts.c_min, opts.c_max)
+    missing = [r.source for r in runs if r.samples is None]
+    if missing:
+        raise ScalingDataError(f"a window from {opts.start_samples:g} samples needs the generated samples at "
+                               f"each eval (metrics.jsonl 'samples'); {', '.join(missing)} has none")
+    s_all = np.concatenate([r.samples for r in runs])
+    return fitlib.window_mask(c_all, opts.c_min or 0.0, opts.c_max) & (s_all >= opts.start_samples)
 
 
 def _r0_stderr(runs):
@@ -147,7 +164,7 @@ def fit_runs(runs, name=None, opts: Options | None = None, **kw):
     r0, r0_note = _resolve_r0(opts.r0, c_all, y_all)
     r0_n = int((c_all == 0).sum()) if opts.r0 == "measured" and r0 is not None else None
     r0_se = _r0_stderr(runs) if r0_n else None
-    m = fitlib.window_mask(c_all, opts.c_min, opts.c_max)
+    m = _window(runs, c_all, opts)
     c, y, g = c_all[m], y_all[m], g_all[m]
     if c.size < fitlib.MIN_POINTS:
         raise ScalingDataError(f"{name}: {c.size} points in the fit window [{opts.c_min}, {opts.c_max}] "

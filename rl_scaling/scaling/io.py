@@ -49,6 +49,7 @@ class Run:
     axis: str
     stderr: np.ndarray | None = None
     eval_samples: int | None = None  # prompts x samples per eval (config.json 'eval'), for the binomial noise
+    samples: np.ndarray | None = None  # generated RL samples before each eval (metrics.jsonl 'samples')
     notes: tuple = ()  # what the loader repaired (re-logged evals, sorted rows)
 
 
@@ -86,13 +87,15 @@ def _identity(workdir):
     return recipe, seed, n_eval
 
 
-def _run(recipe, seed, c, y, err, source, axis, where, columns, eval_samples=None, notes=()):
+def _run(recipe, seed, c, y, err, source, axis, where, columns, eval_samples=None, notes=(), samples=None):
     c, y = check_curve(c, y, source, where=where, columns=columns)
     name = recipe if seed is None else f"{recipe}/seed{seed}"
     if err is not None and np.isnan(err).all():
         err = None
+    if samples is not None and not np.isfinite(samples).all():
+        samples = None
     return Run(name=name, recipe=recipe, seed=seed, compute=c, pass_rate=y, source=source, axis=axis,
-               stderr=err, eval_samples=eval_samples, notes=tuple(notes))
+               stderr=err, eval_samples=eval_samples, notes=tuple(notes), samples=samples)
 
 
 def _last_per_step(steps, cols, source):
@@ -124,7 +127,7 @@ def load_jsonl(path, axis="flops", recipe=None, seed=None):
     """The trainer's metrics.jsonl: eval records are the lines with 'eval/pass_rate'."""
     _check_axis(axis)
     key, scale = _JSONL_AXIS[axis]
-    c, y, err, where, steps = [], [], [], [], []
+    c, y, err, where, steps, samples = [], [], [], [], [], []
     with files.open_file(path) as f:
         for lineno, line in enumerate(f, 1):
             line = line.lstrip("\ufeff") if lineno == 1 else line  # a UTF-8 byte-order mark
@@ -145,12 +148,13 @@ def load_jsonl(path, axis="flops", recipe=None, seed=None):
             err.append(math.nan if e is None else _number(e, at, STDERR_KEY))
             where.append(at)
             steps.append(_number(rec["step"], at, "step") if "step" in rec else None)
+            samples.append(_number(rec["samples"], at, "samples") if "samples" in rec else math.nan)
     if not c:
         raise ScalingDataError(f"{path}: no eval records (no line has '{PASS_KEY}')")
-    (c, y, err, where), notes = _last_per_step(steps, (c, y, err, where), str(path))
+    (c, y, err, where, samples), notes = _last_per_step(steps, (c, y, err, where, samples), str(path))
     r, s, n_eval = _identity(files.dirname(path))
     return [_run(recipe or r, seed if seed is not None else s, c, y, np.array(err), str(path), axis,
-                 where, (key, PASS_KEY), n_eval, notes)]
+                 where, (key, PASS_KEY), n_eval, notes, np.array(samples))]
 
 
 def load_tensorboard(logdir, axis="flops", recipe=None, seed=None):
