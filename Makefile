@@ -5,11 +5,12 @@ VENV ?= .venv
 BIN = $(VENV)/bin
 WORKDIR ?= runs/tiny
 
-$(BIN)/.installed: requirements.txt requirements-jetstream.txt
+$(BIN)/.installed: requirements.txt requirements-jetstream.txt pyproject.toml
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q -r requirements.txt
 	$(BIN)/pip install -q --no-deps -r requirements-jetstream.txt
+	$(BIN)/pip install -q --no-deps -e .
 	touch $@
 
 $(BIN)/.installed-test: $(BIN)/.installed requirements-test.txt

@@ -111,17 +111,16 @@ if _accelerator_run(sys.argv[1:]):
 else:
     _pin_threads()
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
+import jax
+import jax.numpy as jnp
+import numpy as np
 
-from configs import tiny  # noqa: E402
-from rl_scaling import compute, sharding  # noqa: E402
-from rl_scaling.policy import model as model_lib  # noqa: E402
-from rl_scaling.rl import train_step as ts  # noqa: E402
-from rl_scaling.rollout import sampler  # noqa: E402
+from configs import tiny
+from rl_scaling import compute, sharding
+from rl_scaling.policy import model as model_lib
+from rl_scaling.rl import train_step as ts
+from rl_scaling.rollout import sampler
 
 PROMPT_LEN, NEW_TOKENS, GEN_BATCH, PROMPTS, G = 16, 64, 64, 32, 8  # the peer presets' shapes
 PEERS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "..", "shared", "peers")

@@ -17,13 +17,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from rl_scaling.scaling import calibration as cal  # noqa: E402
+from rl_scaling.scaling import calibration as cal
 
 
 def main(argv=None):

@@ -11,8 +11,9 @@ cd "$(dirname "$0")/.."
 if compgen -G ".whl/*.whl" >/dev/null; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
     || exit 1
-  export PYTHONPATH="/tmp/site:$PWD"
+  export PYTHONPATH="/tmp/site"
 fi
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"  # the checkout, where `make venv` has not installed it
 echo "{\"commit\": \"$(git rev-parse --short HEAD 2>/dev/null || echo unknown)\", \"date\": \"$(date -u +%FT%TZ)\"}"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>/dev/null || true
 exec timeout 470 python3 launch/bench.py --preset=1b --cases=train,sampler,rl,hf "$@"

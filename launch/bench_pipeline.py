@@ -22,7 +22,6 @@ import sys
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
 
 OVERRIDES = ["--config.rollout.length_control=none", "--config.eval_every=100000", "--config.checkpoint_every=100000",
              "--config.eval.num_prompts=8", "--config.rl.no_positive_resampling=False"]

@@ -21,18 +21,16 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import jax  # noqa: E402
-import ml_collections  # noqa: E402
-import tqdm  # noqa: E402
-import orbax.checkpoint as ocp  # noqa: E402
+import jax
+import ml_collections
+import tqdm
+import orbax.checkpoint as ocp
 
-from rl_scaling import checkpoint, config as config_lib, paths, sharding, tasks  # noqa: E402
-from rl_scaling.policy import hf_export, hf_io  # noqa: E402
+from rl_scaling import checkpoint, config as config_lib, paths, sharding, tasks
+from rl_scaling.policy import hf_export, hf_io
 
 
 def _bar(desc):

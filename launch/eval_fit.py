@@ -13,13 +13,10 @@ present, are evaluated as the compute-0 point that gives R0.
 
 import json
 import logging
-import os
-import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from absl import app, flags, logging as absl_logging  # noqa: E402
+from absl import app, flags, logging as absl_logging
 
 _WORKDIR = flags.DEFINE_string("workdir", None, "The training run's workdir.", required=True)
 _TARGET = flags.DEFINE_float("target_compute", None, "Compute at which to predict the pass rate (axis units).")

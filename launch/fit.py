@@ -17,17 +17,15 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import os
 import re
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import numpy as np  # noqa: E402
+import numpy as np
 
-from rl_scaling import paths as files  # noqa: E402  (local or gs://)
-from rl_scaling.scaling import api, compare, io, noise, plots  # noqa: E402
-from rl_scaling.scaling.errors import ScalingDataError  # noqa: E402
+from rl_scaling import paths as files  # local or gs://
+from rl_scaling.scaling import api, compare, io, noise, plots
+from rl_scaling.scaling.errors import ScalingDataError
 
 
 def _floats(text):

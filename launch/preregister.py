@@ -20,14 +20,12 @@ import datetime
 import json
 import os
 import subprocess
-import sys
 
 import numpy as np
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
+from rl_scaling.scaling import api, io, shapes
 
-from rl_scaling.scaling import api, io, shapes  # noqa: E402
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 ROOT_SEED = 20261204
 

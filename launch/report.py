@@ -14,14 +14,12 @@ import argparse
 import itertools
 import json
 import os
-import sys
 
 import numpy as np
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
+from rl_scaling.scaling import law
 
-from rl_scaling.scaling import law  # noqa: E402
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 BEGIN, END = "<!-- law-report -->", "<!-- /law-report -->"
 RECIPES = ("scalerl", "minimax", "dapo", "grpo", "magistral")

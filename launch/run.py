@@ -28,10 +28,9 @@ import re
 import sys
 import traceback
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from absl import app, flags, logging as absl_logging  # noqa: E402
-from ml_collections import config_flags  # noqa: E402
+from absl import app, flags, logging as absl_logging
+from ml_collections import config_flags
 
 _WORKDIR = flags.DEFINE_string("workdir", "/tmp/rl_scaling/tiny", "Where checkpoints, logs and metrics.jsonl go: a "
                                "local path or gs://BUCKET/PATH (STORAGE_EMULATOR_HOST=http://HOST:PORT for an emulator).")

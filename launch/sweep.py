@@ -43,13 +43,11 @@ import subprocess
 import sys
 import time
 
+from configs import common  # no jax: --dry_run stays fast
+from rl_scaling import paths
+from rl_scaling.scaling import sweep_report  # the table and the curves
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
-
-from configs import common  # noqa: E402  (no jax: --dry_run stays fast)
-from rl_scaling import paths  # noqa: E402
-
-from rl_scaling.scaling import sweep_report  # noqa: E402  (the table and the curves)
 
 DONE = "sweep_done"
 PRUNED = "sweep_pruned"  # a run --prune stopped: skipped by later --prune sweeps, resumed by others

@@ -31,7 +31,8 @@ def tiny_params():
 @pytest.fixture(scope="module")
 def code(tmp_path_factory):
     """A copy of the code that subprocess runs execute (rl_scaling, configs, launch), taken once per
-    module: every run of a comparison runs the same code even while the checkout changes."""
+    module: every run of a comparison runs the same code even while the checkout changes. Runs put it
+    on PYTHONPATH, ahead of the checkout the virtualenv has installed."""
     import shutil
 
     checkout = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -48,7 +48,7 @@ def warm_start(tmp_path_factory, code):
     cmd = [sys.executable, os.path.join(code, "launch", "run.py"), f"--workdir={workdir}",
            *overrides(steps=1, eval_every=1, checkpoint_every=1),
            *[f"--config.warmstart.{k}={v}" for k, v in WARM_START.items()]]
-    res = subprocess.run(cmd, env=dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=""), cwd=code,
+    res = subprocess.run(cmd, env=dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="", PYTHONPATH=str(code)), cwd=code,
                          capture_output=True, text=True, timeout=TIMEOUT_S)
     assert res.returncode == 0, res.stderr[-3000:]
     return workdir / "warmstart" / "params"
@@ -71,7 +71,7 @@ class TwoProcesses:
                        XLA_FLAGS=f"--xla_force_host_platform_device_count={DEVICES_PER_PROCESS}",
                        RL_SCALING_COORDINATOR=f"127.0.0.1:{port}", RL_SCALING_NUM_PROCESSES="2",
                        RL_SCALING_PROCESS_ID=str(pid))
-            env.pop("PYTHONPATH", None)  # run.py puts its own checkout (the copy) first
+            env["PYTHONPATH"] = str(code)  # the copy ahead of the installed checkout
             with open(self.logs[pid], "w") as log:
                 self.procs.append(subprocess.Popen(cmd, env=env, cwd=code, stdout=log, stderr=subprocess.STDOUT))
 

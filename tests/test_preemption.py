@@ -41,7 +41,7 @@ def _tb_steps(logdir):
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory, code):
     workdir = tmp_path_factory.mktemp("reference")
-    res = subprocess.run(_cmd(code, workdir), env=ENV, capture_output=True, text=True, timeout=900)
+    res = subprocess.run(_cmd(code, workdir), env=dict(ENV, PYTHONPATH=str(code)), capture_output=True, text=True, timeout=900)
     assert res.returncode == 0, res.stderr[-3000:]
     return workdir
 
@@ -60,7 +60,7 @@ def test_sigterm_saves_the_current_step_and_resumes_bit_exact(tmp_path, code, re
     from rl_scaling import checkpoint, preemption
 
     work = tmp_path / "preempted"
-    proc = subprocess.Popen(_cmd(code, work), env=ENV, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(_cmd(code, work), env=dict(ENV, PYTHONPATH=str(code)), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     deadline = time.time() + 600
     while not any(r.get("step", 0) >= 2 and "loss" in r for r in
                   (read_jsonl(work / "metrics.jsonl") if (work / "metrics.jsonl").exists() else [])):
@@ -84,7 +84,7 @@ def test_sigterm_saves_the_current_step_and_resumes_bit_exact(tmp_path, code, re
     if torn:  # a kill in the middle of a write
         with open(work / "metrics.jsonl", "a") as f:
             f.write('{"step": %d, "loss": 0.12' % (logged + 1))
-    resumed = subprocess.run(_cmd(code, work), env=ENV, capture_output=True, text=True, timeout=900)
+    resumed = subprocess.run(_cmd(code, work), env=dict(ENV, PYTHONPATH=str(code)), capture_output=True, text=True, timeout=900)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert f"resumed from {work / 'checkpoints'} at step {logged}" in resumed.stderr
     if torn:
