@@ -118,11 +118,7 @@ def test_sharded_path_matches_single_device(params):
         fn = jax.jit(lambda p: M.Decoder(CFG).apply({"params": p}, toks, pos, mask)[0])
         assert "shard_map" in str(jax.make_jaxpr(fn)(p))
         got = fn(p)
-        # and the legacy `with mesh:` context takes the same route
-    with mesh:
-        got_legacy = jax.jit(lambda p: M.Decoder(CFG).apply({"params": p}, toks, pos, mask)[0])(p)
     np.testing.assert_allclose(got, want, atol=2e-5, rtol=1e-5)
-    np.testing.assert_allclose(got_legacy, want, atol=2e-5, rtol=1e-5)
     assert p["layers"]["moe"]["wi_gate"].sharding.spec[1] == "expert"
 
 

@@ -43,7 +43,8 @@ E experts, k chosen, capacity C = cf*S*k/E per group of S tokens):
     output independent of the rest of the batch: the same numbers in prefill, decode and
     training, and exact parity with the transformers reference.
 
-Sharding. With a mesh in context (`jax.set_mesh` or `with mesh:`) the grouped matmuls run
+Sharding. With a mesh in context (`jax.set_mesh`, or sharding.tracing_mesh inside the project's jitted
+steps; jax's deprecated `with mesh:` is not read) the grouped matmuls run
 inside `shard_map`: each data shard sorts only its own tokens (a global sort would gather every
 token to every device), the expert weights enter cast to the body dtype and sharded along
 `expert_mlp` (the `tensor` mesh axis), and the partial outputs of the down projection are
@@ -162,15 +163,7 @@ def experts_ragged(x_SD, idx_SK, gate_SK, wg_EDF, wu_EDF, wo_EFD, dtype):
 
 def _context_mesh():
     mesh = jax.sharding.get_abstract_mesh()
-    if mesh is not None and not mesh.empty:
-        return mesh
-    try:  # the legacy `with mesh:` context
-        from jax._src import mesh as mesh_lib
-
-        mesh = mesh_lib.thread_resources.env.physical_mesh
-        return None if mesh.empty else mesh
-    except Exception:  # pragma: no cover - private API moved
-        return None
+    return None if mesh is None or mesh.empty else mesh
 
 
 def _mesh_axes(logical, mesh):
