@@ -105,6 +105,21 @@ results-sizes: venv
 	$(BIN)/python launch/fit.py $(RESULTS)/scalerl/seed0 $(RESULTS)/scalerl/seed1 $(RESULTS)/sizes/m \
 		$(RESULTS)/sizes/l --start-samples=$(START_SAMPLES) --out=$(RESULTS)/fit_sizes_start --noise=$(RESULTS)/noise.json
 
+# The pre-registered check of fit_sizes_start/: preregistered_sizes.json (launch/preregister.py
+# freeze-ceiling, committed before these runs) says what fresh seeds 2 and 3 of size l show under the
+# same window; they run from l's warm start to SIZE_SAMPLES (~113 min per run, two at a time) and are
+# scored into sizes_confirmation.md.
+results-sizes-confirm: venv
+	test -f $(RESULTS)/preregistered_sizes.json || $(BIN)/python launch/preregister.py freeze-ceiling \
+		--fit=$(RESULTS)/fit_sizes_start/fit.json --recipe=scalerl+size=l --reference=scalerl \
+		--out=$(RESULTS)/preregistered_sizes.json
+	JAX_PLATFORMS=cpu $(BIN)/python launch/sweep.py \
+		--config=configs/tiny.py:samples=$(SIZE_SAMPLES),evals=$(call EVALS,$(SIZE_SAMPLES)),size=l \
+		--jobs=2 --workdir=$(RESULTS)/sizes/l_confirm --recipes=scalerl+size=l --seeds=2 --first_seed=2 \
+		--init_checkpoint=$(RESULTS)/sizes/l/warmstart/warmstart/params
+	$(BIN)/python launch/preregister.py score-ceiling --prereg=$(RESULTS)/preregistered_sizes.json \
+		--runs=$(RESULTS)/sizes/l_confirm --noise=$(RESULTS)/noise.json --out=$(RESULTS)/sizes_confirmation.md
+
 # README's "The law on the tiny task" numbers, regenerated from the shipped results (no refit).
 report: venv
 	$(BIN)/python launch/report.py --write-readme
@@ -118,4 +133,4 @@ bench-peers: $(BIN)/.installed-test
 	bash ../shared/peers/setup.sh
 	JAX_PLATFORMS=cpu $(BIN)/python launch/bench.py --vs_tunix --rounds=5
 
-.PHONY: venv lint run test test-slow test-aot results results-extension results-sizes report bench bench-peers
+.PHONY: venv lint run test test-slow test-aot results results-extension results-sizes results-sizes-confirm report bench bench-peers

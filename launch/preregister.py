@@ -4,12 +4,20 @@
         --multiples=2,3,4 --out=notebooks/results/preregistered.json
     python launch/preregister.py score --prereg=notebooks/results/preregistered.json \\
         --runs=notebooks/results/extension --out=notebooks/results/extension.md
+    python launch/preregister.py freeze-ceiling --fit=notebooks/results/fit_sizes_start/fit.json \\
+        --recipe=scalerl+size=l --reference=scalerl --out=notebooks/results/preregistered_sizes.json
+    python launch/preregister.py score-ceiling --prereg=notebooks/results/preregistered_sizes.json \\
+        --runs=notebooks/results/sizes/l_confirm --noise=notebooks/results/noise.json \\
+        --out=notebooks/results/sizes_confirmation.md
 
 `freeze` fits each recipe's shipped seeds (metrics.jsonl) with both shapes (scaling/shapes.py) and
 writes, per recipe, the predicted pass rate with 95% prediction intervals at each multiple of the
 recipe's shipped compute (the mean over seeds of their last logged compute). Commit the file before
 the extension runs write their first metrics line: the git history is the proof that the numbers came
-first. `score` reads the extension runs and compares each seed's eval at those computes (linear in
+first. `freeze-ceiling` does the same for a ceiling: what fresh seeds of one recipe will show under a
+shipped --start-samples fit's window (identifiable, A in that fit's interval widened by sqrt(2), not
+above a reference's), and `score-ceiling` fits the fresh seeds the same way and checks each claim.
+`score` reads the extension runs and compares each seed's eval at those computes (linear in
 ln C between the two evals around it) and the seed mean with the frozen intervals, per shape.
 """
 
@@ -127,6 +135,80 @@ def score(args):
     return coverage
 
 
+def freeze_ceiling(args):
+    """Freeze what fresh seeds of one recipe will show under the window rule of a shipped fit: an
+    identifiable ceiling, inside that fit's 95% interval of A widened by sqrt(2) (a new pair of seeds
+    carries its own sampling error as large as the old pair's), not separated above a reference's."""
+    fit = json.loads(open(args.fit).read())
+    rec, ref = fit["recipes"][args.recipe], fit["recipes"][args.reference]
+    start = rec["window"].get("start_samples")
+    if rec["A"] is None or start is None:
+        raise SystemExit(f"{args.fit}: {args.recipe} needs an identified A and a --start-samples window "
+                         f"(A {rec['A']}, start_samples {start})")
+    a, (lo, hi) = rec["A"], rec["ci"]["A"]
+    band = [a - np.sqrt(2.0) * (a - lo), a + np.sqrt(2.0) * (hi - a)]
+    ref_hi = ref["ci"]["A"][1]
+    out = {"created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+           "code_commit": _git_head(), "fit": os.path.relpath(args.fit, ROOT), "recipe": args.recipe,
+           "start_samples": start, "root_seed": args.seed, "level": 0.95,
+           "fitted": {"A": a, "ci": [lo, hi], "seeds": rec["seeds"]},
+           "reference": {"recipe": args.reference, "A": ref["A"], "ci": ref["ci"]["A"]},
+           "claims": {
+               "identifiable": f"fresh seeds of {args.recipe}, fitted together from {start:g} samples, have an "
+                               "identifiable ceiling (no not_identifiable, still_rising or not_sigmoidal flag)",
+               "ceiling_in_band": f"their A lies in [{band[0]:.3f}, {band[1]:.3f}]",
+               "not_above_reference": f"the lower end of their A's 95% interval is at or below {args.reference}'s "
+                                      f"upper end, {ref_hi:.3f}: no higher ceiling than {args.reference}'s"},
+           "band": band}
+    with open(args.out, "w") as f:
+        json.dump(out, f, indent=1)
+    print(f"{args.recipe}: A {a:.3f} [{lo:.3f}, {hi:.3f}] from {start:g} samples; fresh seeds: A in "
+          f"[{band[0]:.3f}, {band[1]:.3f}], lower end <= {ref_hi:.3f}\nwrote {args.out}")
+
+
+def score_ceiling(args):
+    """Fit the fresh seeds as the frozen fit was fitted and check each claim; writes OUT (.md and .json)."""
+    pre = json.loads(open(args.prereg).read())
+    runs = io.group_runs(io.load_inputs([args.runs], "flops")).get(pre["recipe"], [])
+    fresh = [r for r in runs if r.seed not in pre["fitted"]["seeds"]]
+    if len(fresh) < 2 or len(fresh) != len(runs):
+        raise SystemExit(f"{args.runs}: {pre['recipe']} needs 2 or more seeds other than the frozen fit's "
+                         f"{pre['fitted']['seeds']}; found {[r.seed for r in runs]}")
+    eval_sd = float(json.loads(open(args.noise).read())["sd_measured_pooled"]) if args.noise else None
+    opts = api.Options(start_samples=pre["start_samples"], eval_sd=eval_sd, eval_sd_source=args.noise or "",
+                       seed=np.random.SeedSequence(pre["root_seed"]))
+    s = api.fit_runs(fresh, name=pre["recipe"], opts=opts).summary()
+    blocking = [f["code"] for f in s["flags"] if f["code"] in ("not_identifiable", "still_rising", "not_sigmoidal")]
+    a = s["A"] if s["A"] is not None else s["A_lower_bound"]
+    lo, hi = s["ci"]["A"]
+    held = {"identifiable": not blocking,
+            "ceiling_in_band": not blocking and pre["band"][0] <= a <= pre["band"][1],
+            "not_above_reference": lo <= pre["reference"]["ci"][1]}
+    observed = {"identifiable": "yes" if not blocking else f"no ({', '.join(blocking)})",
+                "ceiling_in_band": f"A {'>= ' if blocking else ''}{a:.3f}",
+                "not_above_reference": f"A's interval [{lo:.3f}, {hi:.3f}]"}
+    lines = [f"# Pre-registered: {pre['recipe']}'s ceiling on fresh seeds", "",
+             f"Frozen in `{os.path.relpath(args.prereg, ROOT)}` (created {pre['created']}, commit "
+             f"{str(pre['code_commit'])[:9]}) from `{pre['fit']}`: A {pre['fitted']['A']:.3f} "
+             f"[{pre['fitted']['ci'][0]:.3f}, {pre['fitted']['ci'][1]:.3f}] on seeds {', '.join(pre['fitted']['seeds'])}, "
+             f"window from {pre['start_samples']:g} samples. Observed: seeds {', '.join(r.seed for r in fresh)} in "
+             f"`{os.path.relpath(args.runs, ROOT)}`, fitted the same way.", "",
+             "| claim | frozen | observed | held |", "|---|---|---|---|"]
+    lines += [f"| {k} | {pre['claims'][k]} | {observed[k]} | {'yes' if held[k] else 'no'} |" for k in pre["claims"]]
+    lines += ["", f"{sum(held.values())} of {len(held)} claims held."]
+    text = "\n".join(lines) + "\n"
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write(text)
+        with open(os.path.splitext(args.out)[0] + ".json", "w") as f:
+            json.dump({"prereg": os.path.relpath(args.prereg, ROOT), "runs": os.path.relpath(args.runs, ROOT),
+                       "held": held, "A": s["A"], "A_lower_bound": s["A_lower_bound"], "ci": [lo, hi],
+                       "flags": [f["code"] for f in s["flags"]]}, f, indent=1)
+        print(f"wrote {args.out} and its .json")
+    print(text)
+    return held
+
+
 def _samples(run):
     """Generated samples at a run's last metrics line (from its metrics.jsonl), or None."""
     if not run.source.endswith("metrics.jsonl"):
@@ -152,8 +234,20 @@ def main(argv=None):
     s.add_argument("--prereg", required=True)
     s.add_argument("--runs", required=True)
     s.add_argument("--out", default="")
+    fc = sub.add_parser("freeze-ceiling")
+    fc.add_argument("--fit", required=True, help="a fit.json made with --start-samples")
+    fc.add_argument("--recipe", required=True)
+    fc.add_argument("--reference", required=True, help="the recipe whose ceiling it should not exceed")
+    fc.add_argument("--seed", type=int, default=ROOT_SEED)
+    fc.add_argument("--out", required=True)
+    sc = sub.add_parser("score-ceiling")
+    sc.add_argument("--prereg", required=True)
+    sc.add_argument("--runs", required=True)
+    sc.add_argument("--noise", default="", help="noise.json, as the frozen fit used")
+    sc.add_argument("--out", default="")
     args = ap.parse_args(argv)
-    (freeze if args.cmd == "freeze" else score)(args)
+    return {"freeze": freeze, "score": score, "freeze-ceiling": freeze_ceiling,
+            "score-ceiling": score_ceiling}[args.cmd](args)
 
 
 if __name__ == "__main__":

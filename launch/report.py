@@ -250,7 +250,27 @@ def sizes_section(results):
     if unmeasured:
         why = "; ".join(f"{z}: {_why_unidentified(recs[z])}" for z in unmeasured)
         lines.append(f"- Still not identifiable: {', '.join(unmeasured)} ({why}).")
-    return lines + _size_pairs(recs)
+    return lines + _size_pairs(recs) + _size_confirmation(results)
+
+
+def _size_confirmation(results):
+    """The pre-registered check of the same-start fit on fresh seeds: frozen, and scored once run."""
+    pre = _load(results, "preregistered_sizes.json")
+    if pre is None:
+        return []
+    seeds = ", ".join(pre["fitted"]["seeds"])
+    said = (f"- Pre-registered (`preregistered_sizes.json`, frozen before the runs that test it): fresh seeds of "
+            f"{pre['recipe']} (not {seeds}) under this window will show an identifiable ceiling in "
+            f"[{pre['band'][0]:.3f}, {pre['band'][1]:.3f}] whose interval reaches down to {pre['reference']['recipe']}'s "
+            f"upper end {pre['reference']['ci'][1]:.3f} or below.")
+    done = _load(results, "sizes_confirmation.json")
+    if done is None:
+        return [said + " Not run yet: `make results-sizes-confirm` (2 seeds, ~2 h on 2 cores)."]
+    held = done["held"]
+    a = f"A {done['A']:.3f}" if done["A"] is not None else f"A >= {done['A_lower_bound']:.3f}"
+    return [said + f" Scored in `sizes_confirmation.md`: {sum(held.values())} of {len(held)} claims held "
+            f"({a} [{done['ci'][0]:.3f}, {done['ci'][1]:.3f}]; "
+            + ", ".join(f"{k} {'held' if v else 'failed'}" for k, v in held.items()) + ")."]
 
 
 ABLATIONS = (  # (comparison name, reference label, caption)

@@ -59,6 +59,8 @@ def parse_args(argv=None):
     ap.add_argument("--recipes", default="scalerl,minimax,dapo,grpo,magistral",
                     help="comma-separated recipe names or NAME+section.field=value ablations")
     ap.add_argument("--seeds", type=int, default=3, help="seeds 0..N-1 per recipe")
+    ap.add_argument("--first_seed", type=int, default=0,
+                    help="seeds FIRST..FIRST+N-1 instead: fresh seeds for a confirmation of earlier runs")
     ap.add_argument("--workdir", required=True)
     ap.add_argument("--extra", default="", help="more --config.* overrides for every run (one string)")
     ap.add_argument("--init_checkpoint", default="", help="params to start every run from (default: a shared warm start)")
@@ -135,8 +137,8 @@ def plan(args):
     """The warm-start command (or None), the runs [(label, seed, workdir, cmd)], the init path and
     each run's planned steps {workdir: steps or None}."""
     specs = parse_recipes(args.recipes)
-    if args.seeds < 1:
-        raise SystemExit("--seeds must be >= 1")
+    if args.seeds < 1 or args.first_seed < 0:
+        raise SystemExit("--seeds must be >= 1 and --first_seed >= 0")
     workdir = paths.resolve(args.workdir)  # local, or gs:// for --dry_run's cluster commands
     run_py = os.path.join(ROOT, "launch", "run.py")
     extra = shlex.split(args.extra)
@@ -151,7 +153,7 @@ def plan(args):
         steps[label] = _check_config_arg(_config_flag(args.config, recipe=name, seed=0, **config_args), label)
         steps[label] = _steps_override(overrides + extra) or steps[label]
     runs, planned = [], {}
-    for seed in range(args.seeds):  # seed-major: a complete comparison exists after the first pass
+    for seed in range(args.first_seed, args.first_seed + args.seeds):  # seed-major: a complete comparison first
         for label, name, overrides, config_args in specs:
             wd = paths.join(workdir, label, f"seed{seed}")
             cmd = [args.python, run_py, _config_flag(args.config, recipe=name, seed=seed, **config_args), f"--workdir={wd}",

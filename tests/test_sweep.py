@@ -49,6 +49,13 @@ def test_dry_run_prints_warm_start_runs_and_fit(tmp_path, capsys):
         if "+" in label:
             assert "--config.rl.adv_norm=none" in cmd and f"--config.recipe={label}" in cmd
     assert fit[1].endswith("launch/fit.py") and f"--out={tmp_path}/fit" in fit and len(fit) == 2 + 6 + 2
+    # fresh seeds for a confirmation: 2 and 3, from a given warm start (none is run)
+    rc = sweep.main(["--config=configs/tiny.py:samples=7680", "--recipes=scalerl", "--seeds=2", "--first_seed=2",
+                     f"--workdir={tmp_path}", "--init_checkpoint=/ws/params", "--dry_run"])
+    cmds = [shlex.split(line) for line in capsys.readouterr().out.splitlines() if not line.startswith("#")]
+    assert rc == 0 and [c[2] for c in cmds[:2]] == [f"--config=configs/tiny.py:samples=7680,recipe=scalerl,seed={s}"
+                                                    for s in (2, 3)]
+    assert f"--workdir={tmp_path}/scalerl/seed3" in cmds[1] and "--config.init_checkpoint=/ws/params" in cmds[1]
 
 
 @pytest.mark.parametrize("recipes, message", [
