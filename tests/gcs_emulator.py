@@ -5,18 +5,18 @@ google-cloud-storage and tensorstore's gcs driver speak, with real object genera
 `ifGenerationMatch` preconditions on which tensorstore's OCDBT manifest writes (Orbax) rely.
 
 Each Emulator is one subprocess on a free port with an in-memory store and one bucket. On Linux
-it gets SIGTERM when the thread that started it ends (PR_SET_PDEATHSIG), so a test process that is
-killed before its teardown leaves no emulator behind.
+it gets SIGTERM when the thread that started it ends (PR_SET_PDEATHSIG, set by util-linux's setpriv
+where it is installed), so a test process that is killed before its teardown leaves no emulator
+behind. No Python runs between fork and exec (no preexec_fn): a forked copy of a process with gRPC's
+threads can abort in gRPC's fork handlers before it execs (seen as exit -6, "epoll_wait error").
 """
 
 from __future__ import annotations
 
 import contextlib
-import ctypes
-import ctypes.util
 import json
 import os
-import signal
+import shutil
 import socket
 import subprocess
 import tempfile
@@ -30,17 +30,10 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _die_with_parent():
-    """A preexec_fn: SIGTERM this child when its parent ends (Linux; elsewhere nothing)."""
-    prctl = _PRCTL
-    if prctl is not None:
-        prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-
-
-try:
-    _PRCTL = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True).prctl
-except (OSError, AttributeError):
-    _PRCTL = None
+def _die_with_parent() -> list[str]:
+    """A command prefix that SIGTERMs the child when its parent ends (Linux with setpriv; else none)."""
+    setpriv = shutil.which("setpriv")
+    return [setpriv, "--pdeathsig", "TERM", "--"] if setpriv else []
 
 
 def binary() -> str:
@@ -61,10 +54,10 @@ class Emulator:
         self._log = tempfile.TemporaryFile()
         host = f"127.0.0.1:{self.port}"
         self.proc = subprocess.Popen(
-            [binary(), "-scheme", "http", "-host", "127.0.0.1", f"-port={self.port}", "-backend", "memory",
+            [*_die_with_parent(), binary(), "-scheme", "http", "-host", "127.0.0.1", f"-port={self.port}", "-backend", "memory",
              # Upload sessions and media links point back at this address, not storage.googleapis.com.
              "-external-url", self.url, "-public-host", host, "-log-level", "warn"],
-            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=self._log, preexec_fn=_die_with_parent)
+            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=self._log)
         deadline = time.time() + timeout_s
         while time.time() < deadline:
             if self.proc.poll() is not None:
