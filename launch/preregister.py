@@ -185,7 +185,7 @@ def score_ceiling(args):
             "ceiling_in_band": not blocking and pre["band"][0] <= a <= pre["band"][1],
             "not_above_reference": lo <= pre["reference"]["ci"][1]}
     observed = {"identifiable": "yes" if not blocking else f"no ({', '.join(blocking)})",
-                "ceiling_in_band": f"A {'>= ' if blocking else ''}{a:.3f}",
+                "ceiling_in_band": f"A {'>= ' if s['A'] is None else ''}{a:.3f}" + (" (not a measured ceiling)" if blocking else ""),
                 "not_above_reference": f"A's interval [{lo:.3f}, {hi:.3f}]"}
     lines = [f"# Pre-registered: {pre['recipe']}'s ceiling on fresh seeds", "",
              f"Frozen in `{os.path.relpath(args.prereg, ROOT)}` (created {pre['created']}, commit "
