@@ -31,7 +31,7 @@ import subprocess
 
 import numpy as np
 
-from rl_scaling.scaling import api, io, shapes
+from rl_scaling.scaling import api, diagnostics, io, shapes
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -178,7 +178,7 @@ def score_ceiling(args):
     opts = api.Options(start_samples=pre["start_samples"], eval_sd=eval_sd, eval_sd_source=args.noise or "",
                        seed=np.random.SeedSequence(pre["root_seed"]))
     s = api.fit_runs(fresh, name=pre["recipe"], opts=opts).summary()
-    blocking = [f["code"] for f in s["flags"] if f["code"] in ("not_identifiable", "still_rising", "not_sigmoidal")]
+    blocking = [f["code"] for f in s["flags"] if f["code"] in diagnostics.BLOCKING]
     a = s["A"] if s["A"] is not None else s["A_lower_bound"]
     lo, hi = s["ci"]["A"]
     held = {"identifiable": not blocking,
