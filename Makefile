@@ -120,6 +120,26 @@ results-sizes-confirm: venv
 	$(BIN)/python launch/preregister.py score-ceiling --prereg=$(RESULTS)/preregistered_sizes.json \
 		--runs=$(RESULTS)/sizes/l_confirm --noise=$(RESULTS)/noise.json --out=$(RESULTS)/sizes_confirmation.md
 
+# Size l out of sample: seeds 2 and 3 of results-sizes-confirm continued from their 1,536,000-sample
+# checkpoints to 2x that (one curve each, constant LR after warm-up), copied into sizes/l_long so the
+# confirmation above keeps its data. preregistered_l_long.json (launch/preregister.py freeze, committed
+# before the continuation's first metrics line) holds both shapes' predictions at 1.5x and 2x from the
+# first half; extension_l.md scores them; sizes/l_long/fit is the default-window fit at the longer budget.
+# Needs l_confirm's checkpoints (kept where results-sizes-confirm ran, not shipped); ~110 min two at a time.
+LONG_SAMPLES ?= $(shell echo $$(( 2 * $(SIZE_SAMPLES) )))
+results-sizes-long: venv
+	test -f $(RESULTS)/preregistered_l_long.json || $(BIN)/python launch/preregister.py freeze \
+		--runs=$(RESULTS)/sizes/l_confirm --recipes=scalerl+size=l --multiples=1.5,2 \
+		--out=$(RESULTS)/preregistered_l_long.json
+	test -d $(RESULTS)/sizes/l_long || (mkdir -p $(RESULTS)/sizes/l_long && \
+		cp -a "$(RESULTS)/sizes/l_confirm/scalerl+size=l" $(RESULTS)/sizes/l_long/)
+	JAX_PLATFORMS=cpu $(BIN)/python launch/sweep.py \
+		--config=configs/tiny.py:samples=$(LONG_SAMPLES),evals=$(call EVALS,$(LONG_SAMPLES)),size=l \
+		--jobs=2 --workdir=$(RESULTS)/sizes/l_long --recipes=scalerl+size=l --seeds=2 --first_seed=2 \
+		--init_checkpoint=$(RESULTS)/sizes/l/warmstart/warmstart/params
+	$(BIN)/python launch/preregister.py score --prereg=$(RESULTS)/preregistered_l_long.json \
+		--runs=$(RESULTS)/sizes/l_long --out=$(RESULTS)/extension_l.md
+
 # README's "The law on the tiny task" numbers, regenerated from the shipped results (no refit).
 report: venv
 	$(BIN)/python launch/report.py --write-readme
@@ -133,4 +153,4 @@ bench-peers: $(BIN)/.installed-test
 	bash ../shared/peers/setup.sh
 	JAX_PLATFORMS=cpu $(BIN)/python launch/bench.py --vs_tunix --rounds=5
 
-.PHONY: venv lint run test test-slow test-aot results results-extension results-sizes results-sizes-confirm report bench bench-peers
+.PHONY: venv lint run test test-slow test-aot results results-extension results-sizes results-sizes-confirm results-sizes-long report bench bench-peers
