@@ -90,6 +90,7 @@ def score(args):
              "seed mean | 95% PI mean | covered |", "|---|---|---|---|---|---|---|---|---|---|---|"]
     tally = {s: [0, 0, 0, 0] for s in shapes.SHAPES}  # seeds covered, seeds scored, means covered, means scored
     errors = {s: [] for s in shapes.SHAPES}  # seed mean - prediction
+    rows = []
     for name, pred in pre["recipes"].items():
         runs = groups.get(name, [])
         for shape in shapes.SHAPES:
@@ -107,6 +108,9 @@ def score(args):
                 t[3] += int(mean is not None)
                 if mean is not None:
                     errors[shape].append(mean - at["pass_rate"])
+                rows.append({"recipe": name, "shape": shape, "multiple": m, "compute": at["compute"],
+                             "predicted": at["pass_rate"], "pi_seed": [lo, hi], "pi_mean": at["pi_mean"],
+                             "observed": obs, "mean": mean})
                 obs_s = ", ".join(f"{o:.3f}" for o in obs) or "not reached"
                 lines.append(f"| {name} | {shape} | {m:g} | {at['compute']:.3g} | {at['pass_rate']:.3f} | "
                              f"[{lo:.3f}, {hi:.3f}] | {obs_s} | {cov}/{len(obs)} | "
@@ -129,7 +133,7 @@ def score(args):
             f.write(text)
         with open(os.path.splitext(args.out)[0] + ".json", "w") as f:
             json.dump({"prereg": os.path.relpath(args.prereg, ROOT), "runs": os.path.relpath(args.runs, ROOT),
-                       "samples": samples, "coverage": coverage}, f, indent=1)
+                       "samples": samples, "coverage": coverage, "rows": rows}, f, indent=1)
         print(f"wrote {args.out} and its .json")
     print(text)
     return coverage

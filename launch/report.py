@@ -2,7 +2,7 @@
 
     python launch/report.py [--results=notebooks/results] [--write-readme]
 
-Reads only what `make results` shipped (fit*/fit.json, noise.json, sweep*.json, extension.json,
+Reads only what `make results` shipped (fit*/fit.json, noise.json, sweep*.json, extension*.json,
 the runs' metrics.jsonl) and refits nothing, so it is fast and its output is fixed by the data.
 `--write-readme` replaces the block between the README's `<!-- law-report -->` markers with it;
 tests/test_report.py checks the README holds exactly this text, so the prose and the data cannot drift.
@@ -273,6 +273,45 @@ def _size_confirmation(results):
             + ", ".join(f"{k} {'held' if v else 'failed'}" for k, v in held.items()) + ")."]
 
 
+def size_long_section(results):
+    """Size l's seeds 2 and 3 continued to 2x their budget: the predictions frozen from their first half
+    against what the second half showed, and the default-window fit over the whole longer runs."""
+    pre = _load(results, "preregistered_l_long.json")
+    if pre is None:
+        return []
+    (name, rec), = pre["recipes"].items()
+    said = (f"Size l out of sample (`preregistered_l_long.json`, frozen before the continuation; `extension_l.md`): "
+            f"{name}'s seeds {', '.join(rec['seeds'])} (`sizes/l_confirm`) fitted on their own first half, both "
+            f"shapes predicting their pass rate at {' and '.join(f'{m:g}x' for m in pre['multiples'])} its compute; "
+            "the same runs then continued from their last checkpoints (`sizes/l_long`, one curve each, "
+            "`make results-sizes-long`).")
+    done = _load(results, "extension_l.json")
+    if done is None or not any(t["mean_scored"] for t in done["coverage"].values()):
+        return ["", said + " Not run to the predicted compute yet."]
+    lines = ["", said, "",
+             "| shape | x | predicted | 95% PI of one seed | observed seeds | 95% PI of the seed mean | seed mean | covered |",
+             "|---|---|---|---|---|---|---|---|"]
+    for r in done["rows"]:
+        obs = ", ".join(f"{o:.3f}" for o in r["observed"]) or "not reached"
+        mean = "" if r["mean"] is None else f"{r['mean']:.3f}"
+        cov = "" if r["mean"] is None else ("yes" if r["pi_mean"][0] <= r["mean"] <= r["pi_mean"][1] else "no")
+        lines.append(f"| {r['shape']} | {r['multiple']:g} | {r['predicted']:.3f} | {_ci(r['pi_seed'])} | {obs} | "
+                     f"{_ci(r['pi_mean'])} | {mean} | {cov} |")
+    lines.append("")
+    for shape, t in done["coverage"].items():
+        err = ", ".join(f"{e:+.3f}" for e in t["errors"])
+        lines.append(f"- {shape}: one-seed intervals cover {t['seed_covered']}/{t['seed_scored']}, seed-mean "
+                     f"intervals {t['mean_covered']}/{t['mean_scored']}; seed mean minus prediction {err}.")
+    fit = _load(results, "sizes/l_long/fit/fit.json")
+    if fit is not None and name in fit["recipes"]:
+        s = fit["recipes"][name]
+        lines.append(f"- Fitted over the whole {_k(done['samples'])} samples with the default window "
+                     f"(`sizes/l_long/fit/`, the first 1.5/16 of the compute dropped): sigmoid A {_a(s)}, "
+                     f"B {s['B']:.2f}, C_mid {s['C_mid']:.3g}, power-law A {s['shape']['power_law']['A']:.3f}; "
+                     f"flags {_flags(s)}.")
+    return lines
+
+
 ABLATIONS = (  # (comparison name, reference label, caption)
     ("loo", "scalerl", "Leave-one-out (`comparison_loo.md`, 2 seeds each; ScaleRL's seeds 0 and 1 are the reference)"),
     ("batch", "scalerl", "Batch size (`comparison_batch.md`, prompts per update at the same budget, 2 seeds each)"),
@@ -338,7 +377,7 @@ def report(results):
     lines += recipe_section(results, fit)
     lines += gain_section(results, fit)
     lines += noise_section(fit)
-    lines += ["", *extension_section(results), "", *sizes_section(results), ""]
+    lines += ["", *extension_section(results), "", *sizes_section(results), *size_long_section(results), ""]
     for name, ref, caption in ABLATIONS:
         lines += ablation_section(results, name, ref, caption)
     lines += [END]

@@ -187,6 +187,13 @@ def test_preregister_freeze_then_score(tmp_path):
     line = [ln for ln in text.splitlines() if ln.startswith("- sigmoid")][0]
     covered, scored = map(int, line.split("one-seed intervals ")[1].split(",")[0].split("/"))
     assert scored == 9 and covered >= 7
+    # the .json beside it carries each row: observed = the seed's evals linear in ln C at the target
+    rows = json.loads((tmp_path / "ext.json").read_text())["rows"]
+    row = [r for r in rows if r["shape"] == "sigmoid" and r["multiple"] == 4][0]
+    seed0 = np.array([ln.split(",")[2:] for ln in long[1:] if ln.startswith("rec,0,")], float)
+    want = np.interp(np.log(row["compute"]), np.log(seed0[:, 0]), seed0[:, 1])
+    assert row["observed"][0] == pytest.approx(want, abs=1e-9)
+    assert row["mean"] == pytest.approx(np.mean(row["observed"]))
 
 
 def test_nested_sweeps_are_skipped_unless_named(tmp_path):
