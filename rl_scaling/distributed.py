@@ -40,13 +40,32 @@ ENV_LOCAL_DEVICES = "RL_SCALING_LOCAL_DEVICE_IDS"
 ENV_SWITCH = "RL_SCALING_DISTRIBUTED"  # "1": always initialize, "0": never, unset: auto
 
 
-def _on_cloud_tpu_vm() -> bool:
-    try:
-        from jax._src import cloud_tpu_init
+# TPU chips on the PCI bus: Google's vendor id and the chips' device ids (v3, v4, v5p, v5e, v6e, 7x and
+# one unnamed), as the kernel lists them; Google's other devices (the gVNIC network card) are not TPUs.
+# A newer chip missing here: RL_SCALING_DISTRIBUTED=1.
+GOOGLE_PCI_VENDOR = "0x1ae0"
+TPU_PCI_DEVICES = ("0x0027", "0x0056", "0x005e", "0x0062", "0x0063", "0x006f", "0x0076")
 
-        return bool(cloud_tpu_init.running_in_cloud_tpu_vm)
-    except Exception:  # noqa: BLE001 - a private module that may move
+
+def _on_cloud_tpu_vm(pci_devices: str = "/sys/bus/pci/devices") -> bool:
+    """A Cloud TPU VM: TPU chips attached and libtpu installed to drive them. Read from the kernel's
+    PCI listing, as JAX's own TPU start-up does, before any backend exists."""
+    import importlib.util
+
+    if not (importlib.util.find_spec("libtpu") or os.environ.get("TPU_LIBRARY_PATH")):
         return False
+    try:
+        devices = os.listdir(pci_devices)
+    except OSError:
+        return False
+    for d in devices:
+        try:
+            with open(os.path.join(pci_devices, d, "vendor")) as v, open(os.path.join(pci_devices, d, "device")) as i:
+                if v.read().strip() == GOOGLE_PCI_VENDOR and i.read().strip() in TPU_PCI_DEVICES:
+                    return True
+        except OSError:
+            continue
+    return False
 
 
 def initialize() -> bool:

@@ -64,24 +64,13 @@ def _train(config, workdir, held, preempt):
         paths.write_text(paths.join(workdir, "config.json"), json.dumps(config.to_dict(), indent=1))
     mesh = sharding.make_mesh(dict(config.mesh), pipeline.trainer_devices(config))  # all but an embedded engine's own
     task = tasks.make_task(config.task, config.seed)
-    train_cfg = config_lib.model_config(config, config.rl.fp32_lm_head)
-    if train_cfg.vocab_size < task.tokenizer.vocab_size:  # a preset's vocab_size is not in config.model
-        raise ValueError(f"config.model.vocab_size={train_cfg.vocab_size} is smaller than the tokenizer's "
-                         f"{task.tokenizer.vocab_size}")
-    gen_cfg = config_lib.model_config(config, config.rollout.fp32_lm_head)
-    eval_problems = task.eval_problems(config.eval.num_prompts)
+    train_cfg, gen_cfg = _model_configs(config, task)
     optimizer = ts.make_optimizer(config.optim)
     state_sh = ts.state_shardings(train_cfg, optimizer, mesh)
     ckpts = checkpoint.Checkpoints(paths.join(workdir, "checkpoints"), keep=config.keep_checkpoints)
     base_rng = jax.random.key(config.seed)
-    P, G = config.rollout.prompts_per_step, config.rollout.samples_per_prompt
-    gen_kw = dict(max_prompt_len=config.task.max_prompt_len, max_new_tokens=config.rollout.max_new_tokens,
-                  temperature=config.rollout.temperature, cache_segments=config.rollout.cache_segments)
-
-    def run_eval(params, step):
-        return evaluate.pass_rate(params, gen_cfg, task, eval_problems, samples_per_prompt=config.eval.samples_per_prompt,
-                                  batch_size=config.eval.batch_size, rng=jax.random.fold_in(jax.random.key(config.seed + 1), step),
-                                  **gen_kw)
+    gen_kw = _generation_kwargs(config)
+    run_eval = _evaluator(config, gen_cfg, task, gen_kw)
 
     step, state, meta, restored = _start_state(config, task, train_cfg, gen_cfg, optimizer, state_sh, mesh, ckpts,
                                                 workdir, base_rng, gen_kw)
@@ -101,7 +90,7 @@ def _train(config, workdir, held, preempt):
 
     if step == 0:
         ev = run_eval(state["params"], 0)
-        writer.write(0, {**counters, **{f"eval/{k}": v for k, v in ev.items()}})
+        writer.write(0, {**counters, **_eval_metrics(ev)})
         progress.print(0, {"eval/pass_rate": ev["pass_rate"]})
 
     rollouts = None  # PipelineRL-k: rollouts generated in the background by a JetStream engine
@@ -137,15 +126,13 @@ def _train(config, workdir, held, preempt):
                 log.warning("%s: saving step %d", e, step)
                 save_checkpoint()
                 break
-        batch = collect.rl_batch(ro.prompt_tokens, ro.prompt_mask, ro.out, ro.rewards, P, G)
-        ts.check_group_prompts(batch, G, config.task.max_prompt_len)  # rl_step runs each group's prompt once
-        batch = distributed.global_batch(batch, mesh)  # several hosts: each feeds its own rows
-        state, step_metrics = rl_step(state, batch)
+        state, step_metrics = _rl_update(rl_step, state, ro, mesh, config)
         if rollouts is not None:  # new weights reach the generator now; sequences in flight continue
             rollouts.push_weights(state["params"], step)
         if npr is not None:  # No-Positive-Resampling: prompts that reached the threshold leave the stream
+            P, G = config.rollout.prompts_per_step, config.rollout.samples_per_prompt
             ro.metrics.update(npr.update(ro.prompt_tokens[::G], ro.prompt_mask[::G], ro.correct.reshape(P, G)))
-        counters["compute_flops"] += _step_flops(train_cfg, ro, G)
+        counters["compute_flops"] += _step_flops(train_cfg, ro, config.rollout.samples_per_prompt)
         counters["samples"] += len(ro.generated[1])
         # The step ends when its update has run: without this wait the update's device time fell into
         # whichever window next blocked on it, so accel_seconds depended on log_every.
@@ -162,7 +149,7 @@ def _train(config, workdir, held, preempt):
             pending = None
         if is_eval:
             last_eval = run_eval(state["params"], step)
-            writer.write(step, {**counters, **{f"eval/{k}": v for k, v in last_eval.items()}})
+            writer.write(step, {**counters, **_eval_metrics(last_eval)})
             writer.flush()
         if is_eval or step % config.log_every == 0:
             progress.print(step, {**({"eval/pass_rate": last_eval["pass_rate"]} if is_eval else {}),
@@ -182,7 +169,47 @@ def _train(config, workdir, held, preempt):
     writer.close()
     if preempt.signum is not None:
         raise preemption.Preempted(step, preempt.signum)
-    return {"step": step, **counters, **{f"eval/{k}": v for k, v in last_eval.items()}}
+    return {"step": step, **counters, **_eval_metrics(last_eval)}
+
+
+def _model_configs(config, task):
+    """The trainer's and the generator's ModelConfig: one policy, each side with its own LM-head dtype."""
+    train_cfg = config_lib.model_config(config, config.rl.fp32_lm_head)
+    if train_cfg.vocab_size < task.tokenizer.vocab_size:  # a preset's vocab_size is not in config.model
+        raise ValueError(f"config.model.vocab_size={train_cfg.vocab_size} is smaller than the tokenizer's "
+                         f"{task.tokenizer.vocab_size}")
+    return train_cfg, config_lib.model_config(config, config.rollout.fp32_lm_head)
+
+
+def _generation_kwargs(config):
+    """The sampler's settings shared by rollouts, the warm start's probe and the held-out eval."""
+    return dict(max_prompt_len=config.task.max_prompt_len, max_new_tokens=config.rollout.max_new_tokens,
+                temperature=config.rollout.temperature, cache_segments=config.rollout.cache_segments)
+
+
+def _evaluator(config, gen_cfg, task, gen_kw):
+    """run_eval(params, step) -> the held-out pass rates; its sampling key depends on the step only,
+    so a resumed run evaluates a step exactly as an uninterrupted one."""
+    problems = task.eval_problems(config.eval.num_prompts)
+    eval_rng = jax.random.key(config.seed + 1)
+
+    def run_eval(params, step):
+        return evaluate.pass_rate(params, gen_cfg, task, problems, samples_per_prompt=config.eval.samples_per_prompt,
+                                  batch_size=config.eval.batch_size, rng=jax.random.fold_in(eval_rng, step), **gen_kw)
+    return run_eval
+
+
+def _eval_metrics(ev):
+    return {f"eval/{k}": v for k, v in ev.items()}
+
+
+def _rl_update(rl_step, state, ro, mesh, config):
+    """One optimizer step on a step's rollouts: (new state, device-side metrics)."""
+    G = config.rollout.samples_per_prompt
+    batch = collect.rl_batch(ro.prompt_tokens, ro.prompt_mask, ro.out, ro.rewards, config.rollout.prompts_per_step, G)
+    ts.check_group_prompts(batch, G, config.task.max_prompt_len)  # rl_step runs each group's prompt once
+    batch = distributed.global_batch(batch, mesh)  # several hosts: each feeds its own rows
+    return rl_step(state, batch)
 
 
 def _drain(pending):

@@ -37,6 +37,28 @@ def test_initialize_without_settings_is_single_process(monkeypatch):
         distributed.initialize()
 
 
+def _pci(root, **devices):
+    for name, (vendor, device) in devices.items():
+        (root / name).mkdir(parents=True)
+        (root / name / "vendor").write_text(vendor + "\n")
+        (root / name / "device").write_text(device + "\n")
+    return str(root)
+
+
+def test_cloud_tpu_vm_is_read_from_the_pci_bus(tmp_path, monkeypatch):
+    import importlib.util
+
+    monkeypatch.setenv("TPU_LIBRARY_PATH", "/opt/libtpu.so")  # libtpu "installed"
+    gvnic = ("0x1ae0", "0x0042")  # Google's network card on every GCE VM: not a TPU
+    assert distributed._on_cloud_tpu_vm(_pci(tmp_path / "gpu_vm", nic=gvnic, gpu=("0x10de", "0x2335"))) is False
+    v5e = _pci(tmp_path / "tpu_vm", nic=gvnic, **{f"chip{i}": ("0x1ae0", "0x0063") for i in range(4)})
+    assert distributed._on_cloud_tpu_vm(v5e) is True
+    assert distributed._on_cloud_tpu_vm(str(tmp_path / "no_sysfs")) is False
+    monkeypatch.delenv("TPU_LIBRARY_PATH")  # chips but no libtpu to drive them
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None)
+    assert distributed._on_cloud_tpu_vm(v5e) is False
+
+
 def _single_process_samples(mesh):
     from configs import tiny
     from rl_scaling import tasks
