@@ -124,8 +124,8 @@ results-sizes-confirm: venv
 # checkpoints to 2x that (one curve each, constant LR after warm-up), copied into sizes/l_long so the
 # confirmation above keeps its data. preregistered_l_long.json (launch/preregister.py freeze, committed
 # before the continuation's first metrics line) holds both shapes' predictions at 1.5x and 2x from the
-# first half; extension_l.md scores them; sizes/l_long/fit is the default-window fit at the longer budget
-# (launch/report.py puts both in the README).
+# first half; extension_l.md scores them; fit_sizes_long/ is the size table again with l's seeds 2 and 3
+# at 3,072,000, every window the default (launch/report.py puts both in the README).
 # Needs l_confirm's checkpoints (kept where results-sizes-confirm ran, not shipped); ~110 min two at a time.
 LONG_SAMPLES ?= $(shell echo $$(( 2 * $(SIZE_SAMPLES) )))
 results-sizes-long: venv
@@ -140,7 +140,8 @@ results-sizes-long: venv
 		--init_checkpoint=$(RESULTS)/sizes/l/warmstart/warmstart/params
 	$(BIN)/python launch/preregister.py score --prereg=$(RESULTS)/preregistered_l_long.json \
 		--runs=$(RESULTS)/sizes/l_long --out=$(RESULTS)/extension_l.md
-	$(BIN)/python launch/fit.py $(RESULTS)/sizes/l_long --out=$(RESULTS)/sizes/l_long/fit --noise=$(RESULTS)/noise.json
+	$(BIN)/python launch/fit.py $(RESULTS)/scalerl/seed0 $(RESULTS)/scalerl/seed1 $(RESULTS)/sizes/m \
+		$(RESULTS)/sizes/l_long --out=$(RESULTS)/fit_sizes_long --noise=$(RESULTS)/noise.json
 
 # README's "The law on the tiny task" numbers, regenerated from the shipped results (no refit).
 report: venv

@@ -17,7 +17,7 @@ import os
 
 import numpy as np
 
-from rl_scaling.scaling import law
+from rl_scaling.scaling import diagnostics, law
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -156,11 +156,11 @@ SIZE_LABELS = {"scalerl": "s", "scalerl+size=m": "m", "scalerl+size=l": "l"}
 SIZE_RUNS = {"s": "scalerl", "m": "sizes/m/scalerl+size=m", "l": "sizes/l/scalerl+size=l"}  # seed<k> below
 
 
-def _samples(results, size):
+def _samples(results, size, runs=SIZE_RUNS):
     """Generated samples at the last eval of each seed of `size` (its budget), from the shipped metrics."""
     seen = set()
-    for seed in (0, 1):
-        path = os.path.join(results, SIZE_RUNS[size], f"seed{seed}", "metrics.jsonl")
+    for seed in range(4):
+        path = os.path.join(results, runs[size], f"seed{seed}", "metrics.jsonl")
         if os.path.exists(path):
             with open(path) as f:
                 last = [json.loads(ln) for ln in f if '"eval/pass_rate"' in ln][-1]
@@ -184,14 +184,14 @@ def _crossover(small, large, c_lo, c_hi):
     return float(c[behind[-1] + 1]) if behind.size else float(c[0])
 
 
-def _size_table(results, recs):
+def _size_table(results, recs, runs=SIZE_RUNS):
     from configs import tiny
 
     lines = ["| size | parameters | samples | sigmoid A | B | C_mid (FLOPs) | power-law A | window (FLOPs) | flags |",
              "|---|---|---|---|---|---|---|---|---|"]
     for size in sorted(recs, key="sml".index):
         s = recs[size]
-        lines.append(f"| {size} | {tiny.param_count(size):,} | {_k(_samples(results, size))} | {_a(s)} | "
+        lines.append(f"| {size} | {tiny.param_count(size):,} | {_k(_samples(results, size, runs))} | {_a(s)} | "
                      f"{s['B']:.2f} | {s['C_mid']:.3g} | {s['shape']['power_law']['A']:.3f} | "
                      f"{s['window']['c_min']:.3g}-{s['window']['c_max']:.3g} | {_flags(s)} |")
     return lines + [""]
@@ -302,14 +302,19 @@ def size_long_section(results):
         err = ", ".join(f"{e:+.3f}" for e in t["errors"])
         lines.append(f"- {shape}: one-seed intervals cover {t['seed_covered']}/{t['seed_scored']}, seed-mean "
                      f"intervals {t['mean_covered']}/{t['mean_scored']}; seed mean minus prediction {err}.")
-    fit = _load(results, "sizes/l_long/fit/fit.json")
-    if fit is not None and name in fit["recipes"]:
-        s = fit["recipes"][name]
-        lines.append(f"- Fitted over the whole {_k(done['samples'])} samples with the default window "
-                     f"(`sizes/l_long/fit/`, the first 1.5/16 of the compute dropped): sigmoid A {_a(s)}, "
-                     f"B {s['B']:.2f}, C_mid {s['C_mid']:.3g}, power-law A {s['shape']['power_law']['A']:.3f}; "
-                     f"flags {_flags(s)}.")
-    return lines
+    fit = _load(results, "fit_sizes_long/fit.json")
+    if fit is None:
+        return lines
+    recs = _size_recs(fit)
+    lines += ["", f"The size table again with l's seeds 2 and 3 at {_k(done['samples'])} samples (`fit_sizes_long/`, "
+              "every window the default, the first 1.5/16 of each size's own compute dropped; s and m as above):", ""]
+    lines += _size_table(results, recs, {**SIZE_RUNS, "l": "sizes/l_long/scalerl+size=l"})
+    blocked = {z: [f["code"] for f in r["flags"] if f["code"] in diagnostics.BLOCKING] for z, r in recs.items()}
+    unmeasured = [z for z in recs if recs[z]["A"] is None or blocked[z]]
+    if unmeasured:
+        why = "; ".join(f"{z}: {', '.join(blocked[z]) or _why_unidentified(recs[z])}" for z in unmeasured)
+        lines.append(f"- Ceiling not measured: {', '.join(unmeasured)} ({why}).")
+    return lines + _size_pairs(recs)
 
 
 ABLATIONS = (  # (comparison name, reference label, caption)
