@@ -11,6 +11,7 @@ tests/test_report.py checks the README holds exactly this text, so the prose and
 from __future__ import annotations
 
 import argparse
+import glob
 import itertools
 import json
 import os
@@ -273,6 +274,19 @@ def _size_confirmation(results):
             + ", ".join(f"{k} {'held' if v else 'failed'}" for k, v in held.items()) + ")."]
 
 
+def _jitter(results, run_dir):
+    """Each seed's checkpoint-to-checkpoint spread of the held-out pass rate over the second half of its
+    samples: sd of successive differences / sqrt(2), which a slow trend barely moves."""
+    out = []
+    for path in sorted(glob.glob(os.path.join(results, run_dir, "seed*", "metrics.jsonl"))):
+        with open(path) as f:
+            evals = [json.loads(ln) for ln in f if '"eval/pass_rate"' in ln]
+        y = np.array([e["eval/pass_rate"] for e in evals])
+        n = np.array([e["samples"] for e in evals])
+        out.append(float(np.std(np.diff(y[n >= n.max() / 2]), ddof=1) / np.sqrt(2)))
+    return out
+
+
 def size_long_section(results):
     """Size l's seeds 2 and 3 continued to 2x their budget: the predictions frozen from their first half
     against what the second half showed, and the default-window fit over the whole longer runs."""
@@ -314,6 +328,13 @@ def size_long_section(results):
     if unmeasured:
         why = "; ".join(f"{z}: {', '.join(blocked[z]) or _why_unidentified(recs[z])}" for z in unmeasured)
         lines.append(f"- Ceiling not measured: {', '.join(unmeasured)} ({why}).")
+    noise = _load(results, "noise.json")
+    spread = {z: _jitter(results, d) for z, d in (("s", "scalerl"), ("m", SIZE_RUNS["m"]), ("l seeds 0-1", SIZE_RUNS["l"]),
+                                                    ("l seeds 2-3", "sizes/l_long/scalerl+size=l"))}
+    lines.append("- Checkpoint-to-checkpoint spread of the held-out pass rate over each run's second half (sd of "
+                 "successive evals' differences / sqrt 2, per seed): "
+                 + "; ".join(f"{z} {', '.join(f'{v:.4f}' for v in vs)}" for z, vs in spread.items())
+                 + f"; one checkpoint evaluated repeatedly varies by {noise['sd_measured_pooled']:.4f} (`noise.json`).")
     return lines + _size_pairs(recs)
 
 
