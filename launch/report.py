@@ -275,15 +275,17 @@ def _size_confirmation(results):
 
 
 def _jitter(results, run_dir):
-    """Each seed's checkpoint-to-checkpoint spread of the held-out pass rate over the second half of its
-    samples: sd of successive differences / sqrt(2), which a slow trend barely moves."""
+    """Per seed, over the second half of its steps: the checkpoint-to-checkpoint spread of the held-out
+    pass rate (sd of successive evals' differences / sqrt(2), which a slow trend barely moves) and the
+    mean fraction of samples the zero-variance filter kept for the update (keep_frac)."""
     out = []
     for path in sorted(glob.glob(os.path.join(results, run_dir, "seed*", "metrics.jsonl"))):
         with open(path) as f:
-            evals = [json.loads(ln) for ln in f if '"eval/pass_rate"' in ln]
-        y = np.array([e["eval/pass_rate"] for e in evals])
-        n = np.array([e["samples"] for e in evals])
-        out.append(float(np.std(np.diff(y[n >= n.max() / 2]), ddof=1) / np.sqrt(2)))
+            rows = [json.loads(ln) for ln in f]
+        half = max(r["step"] for r in rows) / 2
+        y = np.array([r["eval/pass_rate"] for r in rows if "eval/pass_rate" in r and r["step"] >= half])
+        keep = [r["keep_frac"] for r in rows if "keep_frac" in r and r["step"] >= half]
+        out.append((float(np.std(np.diff(y), ddof=1) / np.sqrt(2)), float(np.mean(keep))))
     return out
 
 
@@ -331,10 +333,11 @@ def size_long_section(results):
     noise = _load(results, "noise.json")
     spread = {z: _jitter(results, d) for z, d in (("s", "scalerl"), ("m", SIZE_RUNS["m"]), ("l seeds 0-1", SIZE_RUNS["l"]),
                                                     ("l seeds 2-3", "sizes/l_long/scalerl+size=l"))}
-    lines.append("- Checkpoint-to-checkpoint spread of the held-out pass rate over each run's second half (sd of "
-                 "successive evals' differences / sqrt 2, per seed): "
-                 + "; ".join(f"{z} {', '.join(f'{v:.4f}' for v in vs)}" for z, vs in spread.items())
-                 + f"; one checkpoint evaluated repeatedly varies by {noise['sd_measured_pooled']:.4f} (`noise.json`).")
+    lines.append("- Over each run's second half, per seed: the checkpoint-to-checkpoint spread of the held-out pass "
+                 "rate (sd of successive evals' differences / sqrt 2) and the fraction of samples the zero-variance "
+                 "filter kept for the update: "
+                 + "; ".join(f"{z} " + ", ".join(f"{j:.4f} ({k:.3f})" for j, k in vs) for z, vs in spread.items())
+                 + f". One checkpoint evaluated repeatedly varies by {noise['sd_measured_pooled']:.4f} (`noise.json`).")
     return lines + _size_pairs(recs)
 
 
