@@ -157,15 +157,18 @@ SIZE_LABELS = {"scalerl": "s", "scalerl+size=m": "m", "scalerl+size=l": "l"}
 SIZE_RUNS = {"s": "scalerl", "m": "sizes/m/scalerl+size=m", "l": "sizes/l/scalerl+size=l"}  # seed<k> below
 
 
+def _seed_metrics(results, run_dir):
+    """The metrics.jsonl path of each shipped seed of a run directory."""
+    return sorted(glob.glob(os.path.join(results, run_dir, "seed*", "metrics.jsonl")))
+
+
 def _samples(results, size, runs=SIZE_RUNS):
     """Generated samples at the last eval of each seed of `size` (its budget), from the shipped metrics."""
     seen = set()
-    for seed in range(4):
-        path = os.path.join(results, runs[size], f"seed{seed}", "metrics.jsonl")
-        if os.path.exists(path):
-            with open(path) as f:
-                last = [json.loads(ln) for ln in f if '"eval/pass_rate"' in ln][-1]
-            seen.add(int(last["samples"]))
+    for path in _seed_metrics(results, runs[size]):
+        with open(path) as f:
+            last = [json.loads(ln) for ln in f if '"eval/pass_rate"' in ln][-1]
+        seen.add(int(last["samples"]))
     return max(seen) if seen else 0
 
 
@@ -214,6 +217,19 @@ def _size_pairs(recs):
     return lines
 
 
+def _unmeasured(recs):
+    """{size: why} for the sizes whose ceiling the fit did not measure: no A (the fit's reasons), or an A
+    that a blocking flag (diagnostics.BLOCKING) makes unusable."""
+    out = {}
+    for z, r in recs.items():
+        blocked = [f["code"] for f in r["flags"] if f["code"] in diagnostics.BLOCKING]
+        if r["A"] is None:
+            out[z] = _why_unidentified(r)
+        elif blocked:
+            out[z] = ", ".join(blocked)
+    return out
+
+
 def _size_recs(fit):
     return {SIZE_LABELS[k]: v for k, v in fit["recipes"].items() if k in SIZE_LABELS and v.get("status", "ok") == "ok"}
 
@@ -226,9 +242,9 @@ def sizes_section(results):
     lines = ["Model size (`fit_sizes/`, ScaleRL, 2 seeds per size, each size from its own warm start to the same "
              "0.15 pass rate; size s is the recipe table's ScaleRL seeds 0 and 1; each window drops the first 1.5/16 "
              "of its own compute):", ""] + _size_table(results, recs)
-    unmeasured = [z for z in recs if recs[z]["A"] is None]
+    unmeasured = _unmeasured(recs)
     if unmeasured:
-        why = "; ".join(f"{z}: {_why_unidentified(recs[z])}" for z in unmeasured)
+        why = "; ".join(f"{z}: {w}" for z, w in unmeasured.items())
         lines.append(f"- The ceilings of size(s) {', '.join(unmeasured)} are not identifiable with this window rule ({why}). "
                      "`make results-sizes SIZE_SAMPLES=N` extends finished runs from their last checkpoints; the shipped "
                      "runs keep none, so it reruns them from their warm starts once their "
@@ -247,9 +263,9 @@ def sizes_section(results):
               "1.5/16 of each size's own compute, as the paper starts every run's window after the same 1.5k "
               "GPU-hours however long the run. This rule was chosen after the one above left a ceiling unidentified: "
               "read it as a sensitivity check, not a pre-registered result.", ""] + _size_table(results, recs)
-    unmeasured = [z for z in recs if recs[z]["A"] is None]
+    unmeasured = _unmeasured(recs)
     if unmeasured:
-        why = "; ".join(f"{z}: {_why_unidentified(recs[z])}" for z in unmeasured)
+        why = "; ".join(f"{z}: {w}" for z, w in unmeasured.items())
         lines.append(f"- Still not identifiable: {', '.join(unmeasured)} ({why}).")
     return lines + _size_pairs(recs) + _size_confirmation(results)
 
@@ -279,7 +295,7 @@ def _jitter(results, run_dir):
     pass rate (sd of successive evals' differences / sqrt(2), which a slow trend barely moves) and the
     mean fraction of samples the zero-variance filter kept for the update (keep_frac)."""
     out = []
-    for path in sorted(glob.glob(os.path.join(results, run_dir, "seed*", "metrics.jsonl"))):
+    for path in _seed_metrics(results, run_dir):
         with open(path) as f:
             rows = [json.loads(ln) for ln in f]
         half = max(r["step"] for r in rows) / 2
@@ -325,10 +341,9 @@ def size_long_section(results):
     lines += ["", f"The size table again with l's seeds 2 and 3 at {_k(done['samples'])} samples (`fit_sizes_long/`, "
               "every window the default, the first 1.5/16 of each size's own compute dropped; s and m as above):", ""]
     lines += _size_table(results, recs, {**SIZE_RUNS, "l": "sizes/l_long/scalerl+size=l"})
-    blocked = {z: [f["code"] for f in r["flags"] if f["code"] in diagnostics.BLOCKING] for z, r in recs.items()}
-    unmeasured = [z for z in recs if recs[z]["A"] is None or blocked[z]]
+    unmeasured = _unmeasured(recs)
     if unmeasured:
-        why = "; ".join(f"{z}: {', '.join(blocked[z]) or _why_unidentified(recs[z])}" for z in unmeasured)
+        why = "; ".join(f"{z}: {w}" for z, w in unmeasured.items())
         lines.append(f"- Ceiling not measured: {', '.join(unmeasured)} ({why}).")
     noise = _load(results, "noise.json")
     spread = {z: _jitter(results, d) for z, d in (("s", "scalerl"), ("m", SIZE_RUNS["m"]), ("l seeds 0-1", SIZE_RUNS["l"]),

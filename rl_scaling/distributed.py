@@ -23,6 +23,7 @@ work). Logging and metrics are written by process 0 only (metrics.py, `is_main`)
 
 from __future__ import annotations
 
+import importlib.util
 import logging
 import os
 
@@ -50,8 +51,6 @@ TPU_PCI_DEVICES = ("0x0027", "0x0056", "0x005e", "0x0062", "0x0063", "0x006f", "
 def _on_cloud_tpu_vm(pci_devices: str = "/sys/bus/pci/devices") -> bool:
     """A Cloud TPU VM: TPU chips attached and libtpu installed to drive them. Read from the kernel's
     PCI listing, as JAX's own TPU start-up does, before any backend exists."""
-    import importlib.util
-
     if not (importlib.util.find_spec("libtpu") or os.environ.get("TPU_LIBRARY_PATH")):
         return False
     try:

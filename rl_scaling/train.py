@@ -69,6 +69,7 @@ def _train(config, workdir, held, preempt):
     state_sh = ts.state_shardings(train_cfg, optimizer, mesh)
     ckpts = checkpoint.Checkpoints(paths.join(workdir, "checkpoints"), keep=config.keep_checkpoints)
     base_rng = jax.random.key(config.seed)
+    P, G = config.rollout.prompts_per_step, config.rollout.samples_per_prompt
     gen_kw = _generation_kwargs(config)
     run_eval = _evaluator(config, gen_cfg, task, gen_kw)
 
@@ -130,9 +131,8 @@ def _train(config, workdir, held, preempt):
         if rollouts is not None:  # new weights reach the generator now; sequences in flight continue
             rollouts.push_weights(state["params"], step)
         if npr is not None:  # No-Positive-Resampling: prompts that reached the threshold leave the stream
-            P, G = config.rollout.prompts_per_step, config.rollout.samples_per_prompt
             ro.metrics.update(npr.update(ro.prompt_tokens[::G], ro.prompt_mask[::G], ro.correct.reshape(P, G)))
-        counters["compute_flops"] += _step_flops(train_cfg, ro, config.rollout.samples_per_prompt)
+        counters["compute_flops"] += _step_flops(train_cfg, ro, G)
         counters["samples"] += len(ro.generated[1])
         # The step ends when its update has run: without this wait the update's device time fell into
         # whichever window next blocked on it, so accel_seconds depended on log_every.
