@@ -143,6 +143,25 @@ results-sizes-long: venv
 	$(BIN)/python launch/fit.py $(RESULTS)/scalerl/seed0 $(RESULTS)/scalerl/seed1 $(RESULTS)/sizes/m \
 		$(RESULTS)/sizes/l_long --out=$(RESULTS)/fit_sizes_long --noise=$(RESULTS)/noise.json
 
+# Size l at a smaller RL step: l's plateau wanders (second-half checkpoint-to-checkpoint spread
+# 0.022-0.028 vs 0.007 at s) with every size at lr 3e-4. preregistered_l_lr.json (launch/preregister.py
+# freeze-stability, committed before the runs' first metrics line) says what lr 1e-4 will do; the same
+# seeds 0 and 1 run from l's warm start to SIZE_SAMPLES (~113 min two at a time), sizes_lr.md scores the
+# claims and fit_sizes_lr/ is the size table with l at lr 1e-4 (s and m as shipped, lr 3e-4).
+L_LR ?= 0.0001
+results-sizes-lr: venv
+	test -f $(RESULTS)/preregistered_l_lr.json || $(BIN)/python launch/preregister.py freeze-stability \
+		--baseline="$(RESULTS)/sizes/l/scalerl+size=l" --recipe=scalerl+size=l+optim.lr=$(L_LR) \
+		--reference-fit=$(RESULTS)/fit_sizes/fit.json --spread-below=0.015 --out=$(RESULTS)/preregistered_l_lr.json
+	JAX_PLATFORMS=cpu $(BIN)/python launch/sweep.py \
+		--config=configs/tiny.py:samples=$(SIZE_SAMPLES),evals=$(call EVALS,$(SIZE_SAMPLES)),size=l \
+		--jobs=2 --workdir=$(RESULTS)/sizes/l_lr --recipes=scalerl+size=l+optim.lr=$(L_LR) --seeds=2 \
+		--init_checkpoint=$(RESULTS)/sizes/l/warmstart/warmstart/params
+	$(BIN)/python launch/preregister.py score-stability --prereg=$(RESULTS)/preregistered_l_lr.json \
+		--runs=$(RESULTS)/sizes/l_lr --noise=$(RESULTS)/noise.json --out=$(RESULTS)/sizes_lr.md
+	$(BIN)/python launch/fit.py $(RESULTS)/scalerl/seed0 $(RESULTS)/scalerl/seed1 $(RESULTS)/sizes/m \
+		$(RESULTS)/sizes/l_lr --out=$(RESULTS)/fit_sizes_lr --noise=$(RESULTS)/noise.json
+
 # README's "The law on the tiny task" numbers, regenerated from the shipped results (no refit).
 report: venv
 	$(BIN)/python launch/report.py --write-readme
@@ -156,4 +175,4 @@ bench-peers: $(BIN)/.installed-test
 	bash ../shared/peers/setup.sh
 	JAX_PLATFORMS=cpu $(BIN)/python launch/bench.py --vs_tunix --rounds=5
 
-.PHONY: venv lint run test test-slow test-aot results results-extension results-sizes results-sizes-confirm results-sizes-long report bench bench-peers
+.PHONY: venv lint run test test-slow test-aot results results-extension results-sizes results-sizes-confirm results-sizes-long results-sizes-lr report bench bench-peers

@@ -9,6 +9,12 @@
     python launch/preregister.py score-ceiling --prereg=notebooks/results/preregistered_sizes.json \\
         --runs=notebooks/results/sizes/l_confirm --noise=notebooks/results/noise.json \\
         --out=notebooks/results/sizes_confirmation.md
+    python launch/preregister.py freeze-stability --baseline=notebooks/results/sizes/l/scalerl+size=l \\
+        --recipe=scalerl+size=l+optim.lr=0.0001 --reference-fit=notebooks/results/fit/fit.json \\
+        --spread-below=0.015 --out=notebooks/results/preregistered_l_lr.json
+    python launch/preregister.py score-stability --prereg=notebooks/results/preregistered_l_lr.json \\
+        --runs=notebooks/results/sizes/l_lr --noise=notebooks/results/noise.json \\
+        --out=notebooks/results/sizes_lr.md
 
 `freeze` fits each recipe's shipped seeds (metrics.jsonl) with both shapes (scaling/shapes.py) and
 writes, per recipe, the predicted pass rate with 95% prediction intervals at each multiple of the
@@ -17,6 +23,9 @@ the extension runs write their first metrics line: the git history is the proof 
 first. `freeze-ceiling` does the same for a ceiling: what fresh seeds of one recipe will show under a
 shipped --start-samples fit's window (identifiable, A in that fit's interval widened by sqrt(2), not
 above a reference's), and `score-ceiling` fits the fresh seeds the same way and checks each claim.
+`freeze-stability` freezes what a changed recipe will do to a plateau that wanders (each seed's
+second-half spread, diagnostics.plateau_jitter, below a bound; an identifiable ceiling under the default
+window; no ceiling separable from a reference's), and `score-stability` measures and fits the new seeds.
 `score` reads the extension runs and compares each seed's eval at those computes (linear in
 ln C between the two evals around it) and the seed mean with the frozen intervals, per shape.
 """
@@ -213,6 +222,92 @@ def score_ceiling(args):
     return held
 
 
+def _jitters(runs):
+    """{seed: (second-half spread, keep_frac)} of each run, from its metrics.jsonl (diagnostics.plateau_jitter)."""
+    out = {}
+    for r in runs:
+        with open(r.source) as f:
+            out[r.seed] = diagnostics.plateau_jitter([json.loads(ln) for ln in f])
+    return out
+
+
+def freeze_stability(args):
+    """Freeze what a change to a recipe (a smaller step, say) will do to a wandering plateau: each seed's
+    second-half spread below --spread-below (the baseline's seeds measured beside it), an identifiable
+    ceiling under the default window, and an A whose interval overlaps the reference's (size s)."""
+    base = io.group_runs(io.load_inputs([args.baseline], "flops"))
+    if len(base) != 1:
+        raise SystemExit(f"{args.baseline}: expected the seeds of one recipe, found {sorted(base) or 'none'}")
+    (label, runs), = base.items()
+    ref = json.loads(open(args.reference_fit).read())["recipes"][args.reference]
+    lo, hi = ref["ci"]["A"]
+    out = {"created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+           "code_commit": _git_head(), "recipe": args.recipe, "baseline": label,
+           "baseline_spread": {k: round(v[0], 4) for k, v in _jitters(runs).items()},
+           "spread_below": args.spread_below,
+           "reference": {"recipe": args.reference, "fit": os.path.relpath(args.reference_fit, ROOT),
+                         "ci": [round(lo, 3), round(hi, 3)]},
+           "claims": {
+               "steadier": "each seed's checkpoint-to-checkpoint spread of the held-out pass rate over its second "
+                           "half (report.py's definition: sd of successive differences / sqrt 2) is below "
+                           f"{args.spread_below:g}",
+               "identifiable": "the two seeds fitted together with the default window (the first 1.5/16 of their "
+                               "compute dropped, noise.json) carry no blocking flag (not_identifiable, "
+                               "not_sigmoidal, still_rising)",
+               "overlaps_s": f"their sigmoid A's 95% interval overlaps {args.reference}'s (size s) "
+                             f"[{lo:.3f}, {hi:.3f}]: no ceiling separable from s's"}}
+    with open(args.out, "w") as f:
+        json.dump(out, f, indent=1)
+    print(f"{args.recipe}: frozen against {label}'s spread {out['baseline_spread']}\nwrote {args.out}")
+
+
+def score_stability(args):
+    """Measure each seed's spread and fit the seeds with the default window; check each frozen claim.
+    Writes OUT (.md and .json)."""
+    pre = json.loads(open(args.prereg).read())
+    runs = io.group_runs(io.load_inputs([args.runs], "flops")).get(pre["recipe"], [])
+    if len(runs) < 2:
+        raise SystemExit(f"{args.runs}: {pre['recipe']} needs 2 or more seeds; found {[r.seed for r in runs]}")
+    jit = _jitters(runs)
+    eval_sd = float(json.loads(open(args.noise).read())["sd_measured_pooled"]) if args.noise else None
+    opts = api.Options(eval_sd=eval_sd, eval_sd_source=args.noise or "",
+                       seed=np.random.SeedSequence(pre.get("root_seed", ROOT_SEED)))
+    s = api.fit_runs(runs, name=pre["recipe"], opts=opts).summary()
+    blocking = [f["code"] for f in s["flags"] if f["code"] in diagnostics.BLOCKING]
+    a = s["A"] if s["A"] is not None else s["A_lower_bound"]
+    lo, hi = s["ci"]["A"]
+    ref_lo, ref_hi = pre["reference"]["ci"]
+    held = {"steadier": all(j < pre["spread_below"] for j, _ in jit.values()),
+            "identifiable": s["A"] is not None and not blocking,
+            "overlaps_s": lo <= ref_hi and ref_lo <= hi}
+    spreads = ", ".join(f"seed {k} {j:.4f}" for k, (j, _) in jit.items())
+    observed = {"steadier": spreads + " (baseline " + ", ".join(f"seed {k} {v:.4f}" for k, v in pre["baseline_spread"].items()) + ")",
+                "identifiable": "yes" if not blocking and s["A"] is not None else
+                                f"no ({', '.join(blocking) or 'not_identifiable'})",
+                "overlaps_s": f"A {'>= ' if s['A'] is None else ''}{a:.3f} [{lo:.3f}, {hi:.3f}]"}
+    lines = [f"# Pre-registered: {pre['recipe']} against {pre['baseline']}'s wandering plateau", "",
+             f"Frozen in `{os.path.relpath(args.prereg, ROOT)}` (created {pre['created']}, commit "
+             f"{str(pre['code_commit'])[:9]}). Observed: seeds {', '.join(r.seed for r in runs)} in "
+             f"`{os.path.relpath(args.runs, ROOT)}`, fitted with the default window; flags: "
+             f"{', '.join(f['code'] for f in s['flags']) or 'none'}.", "",
+             "| claim | frozen | observed | held |", "|---|---|---|---|"]
+    lines += [f"| {k} | {pre['claims'][k]} | {observed[k]} | {'yes' if held[k] else 'no'} |" for k in pre["claims"]]
+    lines += ["", f"{sum(held.values())} of {len(held)} claims held."]
+    text = "\n".join(lines) + "\n"
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write(text)
+        with open(os.path.splitext(args.out)[0] + ".json", "w") as f:
+            json.dump({"prereg": os.path.relpath(args.prereg, ROOT), "runs": os.path.relpath(args.runs, ROOT),
+                       "held": held, "spread": {k: v[0] for k, v in jit.items()},
+                       "keep_frac": {k: v[1] for k, v in jit.items()}, "A": s["A"],
+                       "A_lower_bound": s["A_lower_bound"], "ci": [lo, hi], "B": s["B"], "C_mid": s["C_mid"],
+                       "flags": [f["code"] for f in s["flags"]]}, f, indent=1)
+        print(f"wrote {args.out} and its .json")
+    print(text)
+    return held
+
+
 def _samples(run):
     """Generated samples at a run's last metrics line (from its metrics.jsonl), or None."""
     if not run.source.endswith("metrics.jsonl"):
@@ -249,9 +344,21 @@ def main(argv=None):
     sc.add_argument("--runs", required=True)
     sc.add_argument("--noise", default="", help="noise.json, as the frozen fit used")
     sc.add_argument("--out", default="")
+    fs = sub.add_parser("freeze-stability")
+    fs.add_argument("--baseline", required=True, help="the seeds of the recipe as it ran, e.g. sizes/l/scalerl+size=l")
+    fs.add_argument("--recipe", required=True, help="the changed recipe's label, e.g. scalerl+size=l+optim.lr=0.0001")
+    fs.add_argument("--reference-fit", required=True, help="a fit.json holding the reference's A")
+    fs.add_argument("--reference", default="scalerl")
+    fs.add_argument("--spread-below", type=float, required=True)
+    fs.add_argument("--out", required=True)
+    ss = sub.add_parser("score-stability")
+    ss.add_argument("--prereg", required=True)
+    ss.add_argument("--runs", required=True)
+    ss.add_argument("--noise", default="", help="noise.json")
+    ss.add_argument("--out", default="")
     args = ap.parse_args(argv)
-    return {"freeze": freeze, "score": score, "freeze-ceiling": freeze_ceiling,
-            "score-ceiling": score_ceiling}[args.cmd](args)
+    return {"freeze": freeze, "score": score, "freeze-ceiling": freeze_ceiling, "score-ceiling": score_ceiling,
+            "freeze-stability": freeze_stability, "score-stability": score_stability}[args.cmd](args)
 
 
 if __name__ == "__main__":

@@ -230,8 +230,8 @@ def _unmeasured(recs):
     return out
 
 
-def _size_recs(fit):
-    return {SIZE_LABELS[k]: v for k, v in fit["recipes"].items() if k in SIZE_LABELS and v.get("status", "ok") == "ok"}
+def _size_recs(fit, labels=SIZE_LABELS):
+    return {labels[k]: v for k, v in fit["recipes"].items() if k in labels and v.get("status", "ok") == "ok"}
 
 
 def sizes_section(results):
@@ -291,17 +291,11 @@ def _size_confirmation(results):
 
 
 def _jitter(results, run_dir):
-    """Per seed, over the second half of its steps: the checkpoint-to-checkpoint spread of the held-out
-    pass rate (sd of successive evals' differences / sqrt(2), which a slow trend barely moves) and the
-    mean fraction of samples the zero-variance filter kept for the update (keep_frac)."""
+    """Per seed of a run directory: diagnostics.plateau_jitter (second-half spread, keep_frac)."""
     out = []
     for path in _seed_metrics(results, run_dir):
         with open(path) as f:
-            rows = [json.loads(ln) for ln in f]
-        half = max(r["step"] for r in rows) / 2
-        y = np.array([r["eval/pass_rate"] for r in rows if "eval/pass_rate" in r and r["step"] >= half])
-        keep = [r["keep_frac"] for r in rows if "keep_frac" in r and r["step"] >= half]
-        out.append((float(np.std(np.diff(y), ddof=1) / np.sqrt(2)), float(np.mean(keep))))
+            out.append(diagnostics.plateau_jitter([json.loads(ln) for ln in f]))
     return out
 
 
@@ -353,6 +347,42 @@ def size_long_section(results):
                  "filter kept for the update: "
                  + "; ".join(f"{z} " + ", ".join(f"{j:.4f} ({k:.3f})" for j, k in vs) for z, vs in spread.items())
                  + f". One checkpoint evaluated repeatedly varies by {noise['sd_measured_pooled']:.4f} (`noise.json`).")
+    return lines + _size_pairs(recs)
+
+
+def size_lr_section(results):
+    """Size l at a smaller RL step: the claims frozen before the runs, scored, and the size table with l
+    at that step (s and m as shipped)."""
+    pre = _load(results, "preregistered_l_lr.json")
+    if pre is None:
+        return []
+    lr_dir = f"sizes/l_lr/{pre['recipe']}"
+    said = (f"Size l at a smaller RL step (`preregistered_l_lr.json`, frozen before the runs; `sizes_lr.md`, "
+            f"`make results-sizes-lr`): `{pre['recipe']}`, l's seeds 0 and 1 again from l's warm start, the RL "
+            "learning rate 1e-4 instead of the 3e-4 every size shares.")
+    done = _load(results, "sizes_lr.json")
+    if done is None:
+        return ["", said + " Not run to its budget yet."]
+    lines = ["", said, "", "| frozen claim | observed | held |", "|---|---|---|"]
+    observed = {"steadier": "second-half spread " + ", ".join(f"{v:.4f}" for v in done["spread"].values())
+                            + " (at 3e-4: " + ", ".join(f"{v:.4f}" for v in pre["baseline_spread"].values()) + ")",
+                "identifiable": ", ".join(c for c in done["flags"] if c in diagnostics.BLOCKING) or "no blocking flag",
+                "overlaps_s": (f"A {done['A']:.3f}" if done["A"] is not None else f"A >= {done['A_lower_bound']:.3f}")
+                              + f" {_ci(done['ci'])} vs s {_ci(pre['reference']['ci'])}"}
+    lines += [f"| {k}: {pre['claims'][k]} | {observed[k]} | {'yes' if done['held'][k] else 'no'} |" for k in pre["claims"]]
+    lines += ["", f"{sum(done['held'].values())} of {len(done['held'])} claims held; zero-variance filter kept "
+              + ", ".join(f"{v:.3f}" for v in done["keep_frac"].values()) + " of the samples over the second halves."]
+    fit = _load(results, "fit_sizes_lr/fit.json")
+    if fit is None:
+        return lines
+    recs = _size_recs(fit, {**SIZE_LABELS, pre["recipe"]: "l"})
+    lines += ["", "The size table with l at lr 1e-4 (`fit_sizes_lr/`, every window the default; s and m as above, "
+              "lr 3e-4):", ""]
+    lines += _size_table(results, recs, {**SIZE_RUNS, "l": lr_dir})
+    unmeasured = _unmeasured(recs)
+    if unmeasured:
+        lines.append(f"- Ceiling not measured: {', '.join(unmeasured)} ("
+                     + "; ".join(f"{z}: {w}" for z, w in unmeasured.items()) + ").")
     return lines + _size_pairs(recs)
 
 
@@ -421,7 +451,8 @@ def report(results):
     lines += recipe_section(results, fit)
     lines += gain_section(results, fit)
     lines += noise_section(fit)
-    lines += ["", *extension_section(results), "", *sizes_section(results), *size_long_section(results), ""]
+    lines += ["", *extension_section(results), "", *sizes_section(results), *size_long_section(results),
+              *size_lr_section(results), ""]
     for name, ref, caption in ABLATIONS:
         lines += ablation_section(results, name, ref, caption)
     lines += [END]

@@ -68,3 +68,65 @@ def test_the_frozen_seeds_are_not_fresh(frozen):
     root, _ = frozen
     with pytest.raises(SystemExit, match="other than the frozen fit's"):
         prereg.main(["score-ceiling", f"--prereg={root / 'prereg.json'}", f"--runs={root / 'shipped'}"])
+
+
+def _jittered(d, A, jitter, recipe, seed):
+    """A synthetic run whose evals alternate +-jitter about the curve (test fixture): the second-half
+    spread is about sqrt(2) x jitter, and every training line logs keep_frac 0.05."""
+    write_workdir(d, A=A, config={"recipe": recipe, "seed": seed})
+    rows = [json.loads(ln) for ln in (d / "metrics.jsonl").read_text().splitlines()]
+    sign = 1.0
+    for r in rows:
+        if "eval/pass_rate" in r:
+            r["eval/pass_rate"] += sign * jitter
+            sign = -sign
+        else:
+            r["keep_frac"] = 0.05
+    (d / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return d
+
+
+@pytest.fixture(scope="module")
+def stability(tmp_path_factory, frozen):
+    root, _ = frozen
+    base = tmp_path_factory.mktemp("stability")
+    for k in (0, 1):
+        _jittered(base / "base" / "big" / f"seed{k}", 0.6, 0.03, "big", k)
+    out = base / "pre.json"
+    prereg.main(["freeze-stability", f"--baseline={base / 'base' / 'big'}", "--recipe=big+optim.lr=0.0001",
+                 f"--reference-fit={root / 'fit' / 'fit.json'}", "--reference=small", "--spread-below=0.015",
+                 f"--out={out}"])
+    return base, json.loads(out.read_text())
+
+
+def test_freeze_stability_records_the_baseline_spread(stability):
+    base, pre = stability
+    rows = [json.loads(ln) for ln in (base / "base" / "big" / "seed0" / "metrics.jsonl").read_text().splitlines()]
+    y = [r["eval/pass_rate"] for r in rows if "eval/pass_rate" in r and r["step"] >= 1000]  # the second half
+    d = [b - a for a, b in zip(y, y[1:])]
+    mean = sum(d) / len(d)
+    want = (sum((x - mean) ** 2 for x in d) / (len(d) - 1) / 2) ** 0.5  # sd of the differences / sqrt 2
+    assert pre["baseline_spread"]["0"] == pytest.approx(want, abs=1e-4) and want > 0.04
+    assert pre["baseline"] == "big" and pre["spread_below"] == 0.015 and set(pre["claims"]) == {
+        "steadier", "identifiable", "overlaps_s"}
+
+
+def test_a_steady_plateau_keeps_the_claims_and_a_wandering_one_breaks_them(stability, tmp_path):
+    base, _ = stability
+    for name, jitter in (("steady", 0.002), ("wandering", 0.03)):
+        for k in (0, 1):
+            _jittered(base / name / "big+optim.lr=0.0001" / f"seed{k}", 0.6, jitter, "big+optim.lr=0.0001", k)
+    held = prereg.main(["score-stability", f"--prereg={base / 'pre.json'}", f"--runs={base / 'steady'}",
+                        f"--out={tmp_path / 's.md'}"])
+    assert held == {"steadier": True, "identifiable": True, "overlaps_s": True}
+    out = json.loads((tmp_path / "s.json").read_text())
+    assert out["held"] == held and all(v < 0.004 for v in out["spread"].values())
+    assert out["keep_frac"] == {"0": pytest.approx(0.05), "1": pytest.approx(0.05)}
+    held = prereg.main(["score-stability", f"--prereg={base / 'pre.json'}", f"--runs={base / 'wandering'}"])
+    assert not held["steadier"]
+
+
+def test_score_stability_needs_two_seeds_of_the_frozen_recipe(stability):
+    base, _ = stability
+    with pytest.raises(SystemExit, match="needs 2 or more seeds"):
+        prereg.main(["score-stability", f"--prereg={base / 'pre.json'}", f"--runs={base / 'base'}"])

@@ -245,6 +245,19 @@ def tail_slope(compute, pass_rate, fitted, groups=None, tail=TAIL):
             "climb": slope * span, "n_points": int(last.sum()), "from_compute": float(c[last].min()), "tail": tail}
 
 
+def plateau_jitter(rows):
+    """Over the second half of a run's steps (its metrics.jsonl rows, as dicts): the checkpoint-to-
+    checkpoint spread of the held-out pass rate, sd of successive evals' differences / sqrt 2 (i.i.d.
+    noise of sd s gives s; a slow trend barely moves it), and the mean fraction of samples the
+    zero-variance filter kept for the update (None when the run logs none)."""
+    half = max(r["step"] for r in rows) / 2
+    y = np.array([r["eval/pass_rate"] for r in rows if "eval/pass_rate" in r and r["step"] >= half])
+    if y.size < 3:
+        raise ValueError(f"{y.size} evals in the second half of the run: the spread needs 3 or more")
+    keep = [r["keep_frac"] for r in rows if "keep_frac" in r and r["step"] >= half]
+    return float(np.std(np.diff(y), ddof=1) / np.sqrt(2)), (float(np.mean(keep)) if keep else None)
+
+
 # a still-rising tail must also matter: the residuals climb at least this much over it (pass rate)
 MIN_CLIMB = 0.005
 
