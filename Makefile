@@ -173,6 +173,6 @@ bench: $(BIN)/.installed-test
 # medians and per-pair ratios (~20 min on a quiet 2-core machine).
 bench-peers: $(BIN)/.installed-test
 	bash ../shared/peers/setup.sh
-	JAX_PLATFORMS=cpu $(BIN)/python launch/bench.py --vs_tunix --rounds=5
+	JAX_PLATFORMS=cpu $(BIN)/python launch/bench_tunix.py --rounds=5
 
 .PHONY: venv lint run test test-slow test-aot results results-extension results-sizes results-sizes-confirm results-sizes-long results-sizes-lr report bench bench-peers

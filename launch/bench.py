@@ -2,7 +2,6 @@
 
     python launch/bench.py [--presets=tiny,small] [--cases=sampler,rl,train]
     python launch/bench.py --preset=1b [--cases=train,sampler,rl,hf] [--smoke]
-    python launch/bench.py --vs_tunix --rounds=5 [--presets=tiny,small] [--cases=sampler,rl]
 
 Presets. tiny and small are the CPU peer baselines' (`../shared/peers`): tiny = 2 layers, d 64, 4
 heads, 2 kv heads, ffn 256, vocab 32; small = 4 layers, d 256, 8 heads, 4 kv heads, ffn 1024, vocab
@@ -55,29 +54,14 @@ docs/benchmarks.md.
            prompt + new tokens of KV cache (replicas tensor-parallel over up to kv-heads chips), and
            prints per-chip HBM, the roofline and assumed-utilisation step times and MFU.
 
---vs_tunix alternates this script's process with the tunix peer's (`tunix_sampler.py`,
-`tunix_grpo.py --beta 0`, run with /tmp/peers/tunix-venv/bin/python) --rounds times per case and
-prints the medians and the per-pair ratios (ours / tunix).
-
-    python launch/bench.py --modes=sync,ppo8,pipeline8,remote8 [--steps=64] [--repeats=3] [--prompts=32]
-
-runs the tiny RL loop (launch/run.py's `train`, after one shared warm start) for each
-off-policy scheme, each in a fresh process, and prints samples/s as a ratio to `sync` from
-the same invocation, with the trainer's and the generator's idle fractions: sync (generate,
-then one update), ppo8 (PPO-off-policy-8: 8 x 32 prompts generated, 8 minibatch updates),
-pipeline8 (PipelineRL-8, JetStream engine in the trainer's process on a second XLA CPU
-device), pipeline8_shared (the same on the trainer's only device, where its computations
-queue behind the trainer's), remote8 (PipelineRL-8, engine in a `launch/serve.py` process
-on loopback). The first quarter of the steps (compilation) is not timed. With --modes the preset
-cases run only when --presets is given. --prompts sets the prompts per update (ppo8: 8 x that per
-generation), 32 as the tiny config by default; tests use a few.
+Side by side with the tunix peer (alternating processes): launch/bench_tunix.py. The off-policy
+schemes end to end on the tiny RL loop (sync, PPO-off-policy-8, PipelineRL-8): launch/bench_modes.py.
 """
 
 import argparse
 import dataclasses
 import json
 import os
-import subprocess
 import sys
 import time
 
@@ -123,8 +107,6 @@ from rl_scaling.rl import train_step as ts
 from rl_scaling.rollout import sampler
 
 PROMPT_LEN, NEW_TOKENS, GEN_BATCH, PROMPTS, G = 16, 64, 64, 32, 8  # the peer presets' shapes
-PEERS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "..", "shared", "peers")
-TUNIX_PYTHON = "/tmp/peers/tunix-venv/bin/python"
 PRESETS = {  # (layers, d_model, heads, kv_heads, ffn, vocab); tiny, small: the peers' presets
     "tiny": (2, 64, 4, 2, 256, 32),
     "small": (4, 256, 8, 4, 1024, 512),
@@ -540,183 +522,11 @@ def _round(v):
     return float(f"{v:.6g}") if isinstance(v, float) and abs(v) < 1e6 else v
 
 
-def _last_json(cmd, env=None):
-    out = subprocess.run(cmd, capture_output=True, text=True, env=env)
-    lines = [ln for ln in out.stdout.splitlines() if ln.startswith("{")]
-    if out.returncode or not lines:
-        sys.exit(f"{' '.join(cmd)} failed ({out.returncode}):\n{out.stderr[-3000:]}")
-    return json.loads(lines[-1])
-
-
-def vs_tunix(presets, cases, rounds, reps, warmup):
-    """Alternate our process and tunix's, `rounds` times per case; medians and per-pair ratios."""
-    ours_key = {"sampler": "tok_s_median", "rl": "samples_s_median"}
-    peer = {"sampler": ("tunix_sampler.py", [f"--batch={GEN_BATCH}", f"--reps={reps}", f"--warmup={warmup}"],
-                        "tok_s_median"),
-            "rl": ("tunix_grpo.py", [f"--prompts={PROMPTS}", f"--group={G}", "--beta=0"], "samples_s_median")}
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    summary = []
-    for name in presets:
-        for case in cases:
-            script, flags, key = peer[case]
-            if case == "rl" and name == "small":
-                flags = flags + ["--steps=3"]  # ~10 s a tunix step at small
-            ours, theirs = [], []
-            for r in range(rounds):
-                mine = _last_json([sys.executable, os.path.abspath(__file__), f"--presets={name}", f"--cases={case}",
-                                   f"--reps={reps}", f"--warmup={warmup}"], env)
-                ours.append(mine[ours_key[case]])
-                tx = _last_json([TUNIX_PYTHON, os.path.join(PEERS, script), f"--preset={name}",
-                                 f"--prompt_len={PROMPT_LEN}", f"--new_tokens={NEW_TOKENS}", "--threads=2", *flags], env)
-                theirs.append(tx[key])
-                print(f"round {r + 1} {case} {name}: ours {ours[-1]:.1f}, tunix {theirs[-1]:.1f}, "
-                      f"ratio {ours[-1] / theirs[-1]:.2f}", file=sys.stderr, flush=True)
-            pairs = [a / b for a, b in zip(ours, theirs)]
-            res = {"tool": "rl_scaling_vs_tunix", "case": case, "preset": name, "rounds": rounds,
-                   "unit": "tok/s" if case == "sampler" else "samples/s",
-                   "ours_median": _round(float(np.median(ours))), "tunix_median": _round(float(np.median(theirs))),
-                   "ratio_of_medians": _round(float(np.median(ours) / np.median(theirs))),
-                   "pair_ratios": [round(p, 3) for p in pairs], "pair_ratio_median": round(float(np.median(pairs)), 3),
-                   "ours": [round(x, 1) for x in ours], "tunix": [round(x, 1) for x in theirs]}
-            print(json.dumps(res), flush=True)
-            summary.append(res)
-    print(f"\n{'case':<8} {'preset':<6} {'ours':>10} {'tunix':>10} {'ratio':>6}  per-pair ratios", file=sys.stderr)
-    for s in summary:
-        print(f"{s['case']:<8} {s['preset']:<6} {s['ours_median']:>10.1f} {s['tunix_median']:>10.1f} "
-              f"{s['ratio_of_medians']:>5.2f}x  {s['pair_ratios']}", file=sys.stderr)
-
-
-# ---- --modes: whole training schemes end to end, each in its own process ------------------------
-
-MODES = {  # scheme -> (config overrides, XLA CPU devices in the trainer's process)
-    "sync": ({}, 1),
-    "ppo8": ({"rl.num_minibatches": 8}, 1),  # and 8 x the prompts per generation (_mode_config)
-    "pipeline8": ({"rollout.mode": "pipeline", "rollout.engine_devices": 1}, 2),  # the engine on its own device
-    "pipeline8_shared": ({"rollout.mode": "pipeline"}, 1),  # the engine queues behind the trainer on one device
-    "remote8": ({"rollout.mode": "pipeline"}, 1),  # + launch/serve.py in its own process
-}
-
-
-def _mode_config(mode, steps, init_checkpoint, prompts=32):
-    config = tiny.get_config(f"prompts={prompts}")
-    config.rollout.max_staleness = 8
-    config.rollout.length_control = "none"  # the same for every scheme (config.py: no interruption in pipeline mode yet)
-    config.steps = steps
-    for dotted, value in MODES[mode][0].items():
-        section, field = dotted.split(".")
-        config[section][field] = value
-    if mode == "ppo8":  # PPO-off-policy-8: 8 x the prompts per generation, 8 minibatch updates
-        config.rollout.prompts_per_step = 8 * prompts
-        config.steps = max(steps // 8, 4)
-    config.eval_every = config.checkpoint_every = config.log_every = config.steps
-    config.eval.num_prompts, config.eval.batch_size = 16, 64
-    config.init_checkpoint = init_checkpoint
-    return config
-
-
-def _start_server(config, workdir):
-    port_file = os.path.join(workdir, "port")
-    if os.path.exists(port_file):
-        os.remove(port_file)
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    proc = subprocess.Popen([sys.executable, os.path.join(os.path.dirname(__file__), "serve.py"), "--port=0",
-                             f"--port_file={port_file}", "--num_devices=1",
-                             f"--config.rollout.length_control={config.rollout.length_control}"], env=env,
-                            stdout=open(os.path.join(workdir, "serve.log"), "w"), stderr=subprocess.STDOUT)
-    for _ in range(240):
-        if os.path.exists(port_file):
-            return proc, f"127.0.0.1:{open(port_file).read().strip()}"
-        if proc.poll() is not None:
-            sys.exit(f"launch/serve.py exited with {proc.returncode}; see {workdir}/serve.log")
-        time.sleep(0.5)
-    proc.kill()
-    sys.exit("launch/serve.py did not start within 120 s")
-
-
-def run_one_mode(mode, steps, run_dir, init_checkpoint, prompts=32) -> dict:
-    """One scheme in this process: train, then samples/s and idle fractions from metrics.jsonl."""
-    import shutil
-
-    from rl_scaling import train
-
-    config = _mode_config(mode, steps, init_checkpoint, prompts)
-    shutil.rmtree(run_dir, ignore_errors=True)
-    os.makedirs(run_dir)
-    server, extra_devices = None, 0
-    if mode == "remote8":
-        server, config.rollout.server = _start_server(config, run_dir)
-        extra_devices = 1
-    try:
-        train.train(config, run_dir)
-    finally:
-        if server is not None:
-            server.terminate()
-            server.wait(30)
-    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
-        per_step = {r["step"]: r for r in map(json.loads, f) if "time/rollout_s" in r}
-    skip = max(config.steps // 4, 1)
-    timed = [per_step[s] for s in sorted(per_step) if s > skip]
-    wall = (timed[-1]["accel_seconds"] - per_step[skip]["accel_seconds"]) / (jax.device_count() + extra_devices)
-    samples = timed[-1]["samples"] - per_step[skip]["samples"]
-    if config.rollout.mode == "pipeline":
-        t_idle = float(np.mean([r["rollout/trainer_idle_frac"] for r in timed]))
-        g_idle = float(np.mean([r["rollout/gen_idle_frac"] for r in timed]))
-        stale = float(np.mean([r["rollout/staleness_mean"] for r in timed]))
-    else:  # one thread: the trainer waits while generating, the generator while training
-        t_idle = sum(r["time/rollout_s"] for r in timed) / wall
-        g_idle, stale = 1.0 - t_idle, 0.0
-    return {"samples_per_s": samples / wall, "trainer_idle": t_idle, "gen_idle": g_idle, "staleness": stale}
-
-
-def one_mode_command(mode, steps, workdir, init_checkpoint, out, prompts=32) -> list[str]:
-    """The command that runs one scheme in a fresh process (every flag one that main() parses)."""
-    return [sys.executable, os.path.abspath(__file__), "--presets=", f"--one_mode={mode}", f"--steps={steps}",
-            f"--workdir={workdir}", f"--init_checkpoint={init_checkpoint}", f"--prompts={prompts}", f"--json={out}"]
-
-
-def bench_modes(modes, steps, workdir, init_checkpoint, repeats, prompts=32):
-    """Each scheme in a fresh process (its own XLA device layout), `repeats` interleaved rounds."""
-    for mode in modes:
-        if mode not in MODES:
-            sys.exit(f"--modes: unknown scheme {mode!r}; valid: {', '.join(MODES)}")
-    os.makedirs(workdir, exist_ok=True)
-    if not init_checkpoint:  # one warm start, shared by every scheme
-        ws_dir = os.path.join(workdir, "warmstart_run")
-        init_checkpoint = os.path.join(ws_dir, "warmstart", "params")
-        if not os.path.isdir(init_checkpoint):
-            from rl_scaling import train
-
-            train.train(_mode_config("sync", 1, "", prompts), ws_dir)
-    results = {m: [] for m in modes}
-    for r in range(repeats):
-        for mode in modes:
-            out = os.path.join(workdir, f"{mode}.json")
-            env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={MODES[mode][1]}")
-            log = os.path.join(workdir, f"{mode}.log")
-            with open(log, "w") as err:
-                rc = subprocess.run(one_mode_command(mode, steps, workdir, init_checkpoint, out, prompts), env=env,
-                                    stdout=subprocess.DEVNULL, stderr=err).returncode
-            if rc:
-                sys.exit(f"--modes: scheme {mode} failed (exit status {rc}); see {log}")
-            with open(out) as f:
-                results[mode].append(json.load(f))
-            print(f"round {r + 1}: {mode}: {results[mode][-1]['samples_per_s']:.1f} samples/s", flush=True)
-    med = {m: {k: float(np.median([x[k] for x in v])) for k in v[0]} for m, v in results.items()}
-    base = med.get("sync", {}).get("samples_per_s")
-    print(f"\nsamples/s on {os.cpu_count()} cores, median of {repeats} interleaved round(s) (tiny config, "
-          f"{prompts} prompts x 8 samples per update; {steps} steps, the first quarter untimed)")
-    print(f"{'scheme':<17} {'samples/s':>10} {'vs sync':>8} {'trainer idle':>13} {'generator idle':>15} {'staleness':>10}")
-    for mode, m in med.items():
-        ratio = f"{m['samples_per_s'] / base:.2f}x" if base else "-"
-        print(f"{mode:<17} {m['samples_per_s']:>10.1f} {ratio:>8} {m['trainer_idle']:>13.2f} {m['gen_idle']:>15.2f} "
-              f"{m['staleness']:>10.2f}")
-
-
 # ---- the command line ---------------------------------------------------------------------------
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--presets", "--preset", default=None, help="tiny,small (the default without --modes), 1b")
+    parser.add_argument("--presets", "--preset", default="tiny,small", help="tiny,small (the peers'), 1b")
     parser.add_argument("--cases", default="sampler,rl,train", help="sampler,rl,train,hf")
     parser.add_argument("--smoke", action="store_true", help="the 1b preset at CPU-test size (dims and shapes)")
     parser.add_argument("--reps", type=int, default=None, help="timed calls per case (median reported; default 5, "
@@ -729,29 +539,7 @@ def main():
     parser.add_argument("--dry_run", default="", metavar="TOPOLOGY",
                         help="also the AOT estimate of the preset's train and decode steps on this TPU slice (e.g. "
                              "v5p:2x2x1; needs libtpu, requirements-tpu.txt), one JSON line per step")
-    parser.add_argument("--vs_tunix", action="store_true", help="alternate our process with the tunix peer's")
-    parser.add_argument("--rounds", type=int, default=5, help="processes of each side for --vs_tunix")
-    parser.add_argument("--modes", default="", help="off-policy schemes to compare on the tiny RL loop: "
-                        "sync,ppo8,pipeline8,remote8 (empty: skip)")
-    parser.add_argument("--steps", type=int, default=64, help="RL steps per scheme for --modes (ppo8: steps/8)")
-    parser.add_argument("--workdir", default="/tmp/rl_scaling/bench_modes")
-    parser.add_argument("--init_checkpoint", default="", help="params to start from (default: one warm start)")
-    parser.add_argument("--repeats", type=int, default=1, help="interleaved rounds of --modes (median reported)")
-    parser.add_argument("--prompts", type=int, default=32, help="prompts per update for --modes (ppo8: 8 x that "
-                        "generated per step)")
-    parser.add_argument("--one_mode", default="", help=argparse.SUPPRESS)  # internal: one scheme, in this process
-    parser.add_argument("--json", default="", help=argparse.SUPPRESS)
     args = parser.parse_args()
-    if args.one_mode:
-        result = run_one_mode(args.one_mode, args.steps, os.path.join(args.workdir, args.one_mode), args.init_checkpoint,
-                              args.prompts)
-        with open(args.json, "w") as f:
-            json.dump(result, f)
-        return
-    if args.modes:
-        bench_modes(args.modes.split(","), args.steps, args.workdir, args.init_checkpoint, args.repeats, args.prompts)
-    if args.presets is None:
-        args.presets = "" if args.modes else "tiny,small"
     presets, cases = list(filter(None, args.presets.split(","))), list(filter(None, args.cases.split(",")))
     for name in presets:
         if name not in PRESETS:
@@ -759,9 +547,7 @@ def main():
     accel = any(p in ACCELERATOR_PRESETS for p in presets)
     reps = args.reps if args.reps is not None else 3 if accel and not args.smoke else 5
     warmup = args.warmup if args.warmup is not None else 1 if accel else 2
-    if args.vs_tunix:
-        vs_tunix(presets, [c for c in cases if c != "train"], args.rounds, reps, warmup)
-    elif presets:
+    if presets:
         run_cases(presets, cases, reps, warmup, args.smoke, None if args.xla_flops is None else bool(args.xla_flops),
                   args.budget_s)
     for name in presets if args.dry_run else ():

@@ -103,3 +103,28 @@ def test_accelerator_presets_leave_the_backend_to_jax():
     bench = _bench_module()
     assert bench._accelerator_run(["--preset=1b", "--smoke"]) and bench._accelerator_run(["--presets", "tiny,1b"])
     assert not bench._accelerator_run(["--presets=tiny,small"]) and not bench._accelerator_run(["--vs_tunix"])
+
+
+def test_tunix_peer_runs_at_the_shapes_our_line_reports():
+    """launch/bench_tunix.py gives the peer the shapes of our process's JSON line, as flags the peer's
+    parser defines (read from its source in ../shared/peers when that folder is there)."""
+    import ast
+
+    spec = importlib.util.spec_from_file_location("bench_tunix_under_test", os.path.join(ROOT, "launch", "bench_tunix.py"))
+    tunix = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tunix)
+    sampler = tunix.tunix_command("tiny", "sampler", {"batch": 48, "prompt_len": 12, "new_tokens": 40}, 5, 2)
+    rl = tunix.tunix_command("small", "rl", {"prompts": 16, "group": 4, "prompt_len": 12, "new_tokens": 40}, 5, 2)
+    assert sampler[1].endswith("tunix_sampler.py") and rl[1].endswith("tunix_grpo.py")
+    for flag in ("--batch=48", "--prompt_len=12", "--new_tokens=40", "--preset=tiny", "--threads=2", "--reps=5"):
+        assert flag in sampler
+    for flag in ("--prompts=16", "--group=4", "--prompt_len=12", "--new_tokens=40", "--beta=0", "--steps=3"):
+        assert flag in rl
+    for cmd in (sampler, rl):
+        if not os.path.exists(cmd[1]):
+            continue
+        tree = ast.parse(open(cmd[1]).read())
+        defined = {a.value for n in ast.walk(tree) if isinstance(n, ast.Call) and getattr(n.func, "attr", "") ==
+                   "add_argument" for a in n.args if isinstance(a, ast.Constant) and isinstance(a.value, str)}
+        # tunix_*.py add the model dims in a loop (f"--{k}"): those are not used here
+        assert {f.split("=")[0] for f in cmd[2:]} <= defined, (cmd[1], sorted(defined))

@@ -171,11 +171,11 @@ def test_layout_names_every_module():
 def test_the_checker_catches_what_the_old_readme_got_wrong():
     """The path and flag checks find the errors the issue lists (so they are not vacuous)."""
     old = ("`cpu_attention.py` ... (PAPER.md section 3) `rl_scaling/policy/nothing.py`\n"
-           "`python launch/bench.py --dims= --modes=sync`\n")
+           "`python launch/bench_modes.py --dims= --modes=sync`\n")
     toks = [t for _, t in named_paths(old)]
     assert "cpu_attention.py" in toks and "rl_scaling/policy/nothing.py" in toks
-    assert ("bench", ["--dims=", "--modes=sync"]) in _commands(old)
-    assert "--dims" not in script_flags("bench")[0] and "--modes" in script_flags("bench")[0]
+    assert ("bench_modes", ["--dims=", "--modes=sync"]) in _commands(old)
+    assert "--dims" not in script_flags("bench_modes")[0] and "--modes" in script_flags("bench_modes")[0]
 
 
 def test_fit_out_defaults_to_the_first_input_fit_folder(tmp_path):
@@ -212,11 +212,12 @@ def test_jetstream_requester_example_is_in_the_task_format():
     assert max_tokens >= len(tok.encode(arithmetic.reference_completion(problem)))
 
 
-@pytest.mark.parametrize("script", ["bench", "fit"])
+@pytest.mark.parametrize("script", ["bench_modes", "bench_tunix", "fit"])
 def test_readme_commands_parse(script):
-    """The README's bench.py --modes and fit.py commands get past argument parsing (--help after
+    """The README's bench_modes.py, bench_tunix.py and fit.py commands get past argument parsing (--help after
     the README's flags: argparse exits 0 only if every flag before it parses)."""
-    cmd = {"bench": ["--modes=sync,ppo8,pipeline8,remote8"], "fit": ["gs://BUCKET/runs/scout"]}[script]
+    cmd = {"bench_modes": ["--modes=sync,ppo8,pipeline8,remote8"], "bench_tunix": ["--rounds=5"],
+           "fit": ["gs://BUCKET/runs/scout"]}[script]
     env = dict(os.environ, JAX_PLATFORMS="cpu")
     res = subprocess.run([sys.executable, "-c", (
         "import runpy, sys; sys.argv = sys.argv[1:]; "
