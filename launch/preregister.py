@@ -179,6 +179,20 @@ def freeze_ceiling(args):
           f"[{band[0]:.3f}, {band[1]:.3f}], lower end <= {ref_hi:.3f}\nwrote {args.out}")
 
 
+def _write_claims(args, lines, claims, observed, held, record):
+    """The claims table after `lines`, printed and, with --out, written to OUT (.md) and its .json."""
+    lines = lines + [f"| {k} | {claims[k]} | {observed[k]} | {'yes' if held[k] else 'no'} |" for k in claims]
+    text = "\n".join(lines + ["", f"{sum(held.values())} of {len(held)} claims held."]) + "\n"
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write(text)
+        with open(os.path.splitext(args.out)[0] + ".json", "w") as f:
+            json.dump({"prereg": os.path.relpath(args.prereg, ROOT), "runs": os.path.relpath(args.runs, ROOT),
+                       "held": held, **record}, f, indent=1)
+        print(f"wrote {args.out} and its .json")
+    print(text)
+
+
 def score_ceiling(args):
     """Fit the fresh seeds as the frozen fit was fitted and check each claim; writes OUT (.md and .json)."""
     pre = json.loads(open(args.prereg).read())
@@ -207,18 +221,8 @@ def score_ceiling(args):
              f"window from {pre['start_samples']:g} samples. Observed: seeds {', '.join(r.seed for r in fresh)} in "
              f"`{os.path.relpath(args.runs, ROOT)}`, fitted the same way.", "",
              "| claim | frozen | observed | held |", "|---|---|---|---|"]
-    lines += [f"| {k} | {pre['claims'][k]} | {observed[k]} | {'yes' if held[k] else 'no'} |" for k in pre["claims"]]
-    lines += ["", f"{sum(held.values())} of {len(held)} claims held."]
-    text = "\n".join(lines) + "\n"
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write(text)
-        with open(os.path.splitext(args.out)[0] + ".json", "w") as f:
-            json.dump({"prereg": os.path.relpath(args.prereg, ROOT), "runs": os.path.relpath(args.runs, ROOT),
-                       "held": held, "A": s["A"], "A_lower_bound": s["A_lower_bound"], "ci": [lo, hi],
-                       "flags": [f["code"] for f in s["flags"]]}, f, indent=1)
-        print(f"wrote {args.out} and its .json")
-    print(text)
+    _write_claims(args, lines, pre["claims"], observed, held,
+                  {"A": s["A"], "A_lower_bound": s["A_lower_bound"], "ci": [lo, hi], "flags": [f["code"] for f in s["flags"]]})
     return held
 
 
@@ -291,20 +295,10 @@ def score_stability(args):
              f"`{os.path.relpath(args.runs, ROOT)}`, fitted with the default window; flags: "
              f"{', '.join(f['code'] for f in s['flags']) or 'none'}.", "",
              "| claim | frozen | observed | held |", "|---|---|---|---|"]
-    lines += [f"| {k} | {pre['claims'][k]} | {observed[k]} | {'yes' if held[k] else 'no'} |" for k in pre["claims"]]
-    lines += ["", f"{sum(held.values())} of {len(held)} claims held."]
-    text = "\n".join(lines) + "\n"
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write(text)
-        with open(os.path.splitext(args.out)[0] + ".json", "w") as f:
-            json.dump({"prereg": os.path.relpath(args.prereg, ROOT), "runs": os.path.relpath(args.runs, ROOT),
-                       "held": held, "spread": {k: v[0] for k, v in jit.items()},
-                       "keep_frac": {k: v[1] for k, v in jit.items()}, "A": s["A"],
-                       "A_lower_bound": s["A_lower_bound"], "ci": [lo, hi], "B": s["B"], "C_mid": s["C_mid"],
-                       "flags": [f["code"] for f in s["flags"]]}, f, indent=1)
-        print(f"wrote {args.out} and its .json")
-    print(text)
+    _write_claims(args, lines, pre["claims"], observed, held,
+                  {"spread": {k: v[0] for k, v in jit.items()}, "keep_frac": {k: v[1] for k, v in jit.items()},
+                   "A": s["A"], "A_lower_bound": s["A_lower_bound"], "ci": [lo, hi], "B": s["B"], "C_mid": s["C_mid"],
+                   "flags": [f["code"] for f in s["flags"]]})
     return held
 
 
@@ -329,21 +323,19 @@ def main(argv=None):
     f.add_argument("--multiples", default="2,3,4")
     f.add_argument("--seed", type=int, default=ROOT_SEED)
     f.add_argument("--out", required=True)
-    s = sub.add_parser("score")
-    s.add_argument("--prereg", required=True)
-    s.add_argument("--runs", required=True)
-    s.add_argument("--out", default="")
+    for name, noise in (("score", False), ("score-ceiling", True), ("score-stability", True)):
+        sc = sub.add_parser(name)  # every scorer: the frozen file, the runs that test it, where to write
+        sc.add_argument("--prereg", required=True)
+        sc.add_argument("--runs", required=True)
+        if noise:
+            sc.add_argument("--noise", default="", help="noise.json, as the frozen fit used")
+        sc.add_argument("--out", default="")
     fc = sub.add_parser("freeze-ceiling")
     fc.add_argument("--fit", required=True, help="a fit.json made with --start-samples")
     fc.add_argument("--recipe", required=True)
     fc.add_argument("--reference", required=True, help="the recipe whose ceiling it should not exceed")
     fc.add_argument("--seed", type=int, default=ROOT_SEED)
     fc.add_argument("--out", required=True)
-    sc = sub.add_parser("score-ceiling")
-    sc.add_argument("--prereg", required=True)
-    sc.add_argument("--runs", required=True)
-    sc.add_argument("--noise", default="", help="noise.json, as the frozen fit used")
-    sc.add_argument("--out", default="")
     fs = sub.add_parser("freeze-stability")
     fs.add_argument("--baseline", required=True, help="the seeds of the recipe as it ran, e.g. sizes/l/scalerl+size=l")
     fs.add_argument("--recipe", required=True, help="the changed recipe's label, e.g. scalerl+size=l+optim.lr=0.0001")
@@ -351,11 +343,6 @@ def main(argv=None):
     fs.add_argument("--reference", default="scalerl")
     fs.add_argument("--spread-below", type=float, required=True)
     fs.add_argument("--out", required=True)
-    ss = sub.add_parser("score-stability")
-    ss.add_argument("--prereg", required=True)
-    ss.add_argument("--runs", required=True)
-    ss.add_argument("--noise", default="", help="noise.json")
-    ss.add_argument("--out", default="")
     args = ap.parse_args(argv)
     return {"freeze": freeze, "score": score, "freeze-ceiling": freeze_ceiling, "score-ceiling": score_ceiling,
             "freeze-stability": freeze_stability, "score-stability": score_stability}[args.cmd](args)
