@@ -22,7 +22,7 @@ import numpy as np
 from rl_scaling import checkpoint, compute, config as config_lib, data, distributed, evaluate, lock as lock_lib, metrics as metrics_lib, paths, preemption, sharding, tasks
 from rl_scaling.policy import hf_io
 from rl_scaling.rl import filters, train_step as ts
-from rl_scaling.rollout import collect, length_control, pipeline
+from rl_scaling.rollout import collect, length_control, pipeline, topology
 
 log = logging.getLogger(__name__)
 
@@ -46,7 +46,7 @@ def train(config, workdir: str) -> dict:
     workdir's lock (lock.py) for the whole run; SIGTERM/SIGINT save the current step and raise
     preemption.Preempted (preemption.py)."""
     config_lib.validate(config)
-    pipeline.check_config(config)
+    topology.check_config(config)
     paths.configure_storage(config.storage)  # deadlines on every gs:// call from here on
     workdir = prepare_workdir(workdir)
     held = lock_lib.acquire(workdir) if jax.process_index() == 0 else None  # before anything is written
@@ -62,7 +62,7 @@ def train(config, workdir: str) -> dict:
 def _train(config, workdir, held, preempt):
     if jax.process_index() == 0:
         paths.write_text(paths.join(workdir, "config.json"), json.dumps(config.to_dict(), indent=1))
-    mesh = sharding.make_mesh(dict(config.mesh), pipeline.trainer_devices(config))  # all but an embedded engine's own
+    mesh = sharding.make_mesh(dict(config.mesh), topology.trainer_devices(config))  # all but an embedded engine's own
     task = tasks.make_task(config.task, config.seed)
     train_cfg, gen_cfg = _model_configs(config, task)
     optimizer = ts.make_optimizer(config.optim)
@@ -81,7 +81,7 @@ def _train(config, workdir, held, preempt):
                                        resume_flops=meta["compute_flops"])
     progress = metrics_lib.Progress(config.steps, step)
     # MoE routing replay: r3 needs the generator's record (the sync sampler's, or the JetStream
-    # engines' in pipeline mode: pipeline.routing_shape)
+    # engines' in pipeline mode: topology.routing_shape)
     replay = ts.replay_mode(config.rl, train_cfg)
     rl_step = ts.jit_step(ts.rl_step, state_sh, mesh, batch_keys=ts.rl_batch_keys(config.rl, train_cfg),
                           model_cfg=train_cfg, rl_cfg=config.rl, optimizer=optimizer,
@@ -266,9 +266,9 @@ def _pipeline_rollouts(rb, length):
 
 
 def _start_pipeline(config, task, stream, gen_cfg, params, step, meta, workdir, preempt):
-    """The background generator (pipeline.from_config), resumed from a checkpoint's `meta` if given."""
+    """The background generator (topology.from_config), resumed from a checkpoint's `meta` if given."""
     ledger = paths.join(workdir, "rollout_ledger", f"from_step{step}") if config.rollout.get("ledger") else ""
-    rollouts = pipeline.from_config(config, task, stream, gen_cfg, params, step,
+    rollouts = topology.from_config(config, task, stream, gen_cfg, params, step,
                                     resume=meta.get("pipeline") if meta else None, ledger=ledger)
     if isinstance(rollouts, pipeline.Pipeline) and jax.process_count() == 1:  # a signal ends any wait
         rollouts.interrupted = lambda: preempt.signum is not None

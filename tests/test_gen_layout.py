@@ -1,5 +1,5 @@
 """One generator mesh, used everywhere: the engine the pipeline and launch/serve.py build
-(pipeline.make_engine) lives on config.tpu.gen_mesh with the shardings the dry run compiles
+(topology.make_engine) lives on config.tpu.gen_mesh with the shardings the dry run compiles
 generation with (dry_run.generation_layout), on 8 fake CPU devices; decoding on a
 tensor-parallel generator mesh gives the single-device engine's tokens and log-probs."""
 
@@ -12,7 +12,7 @@ from configs import tiny
 from rl_scaling import config as config_lib, dry_run, sharding
 from rl_scaling.rollout import engine as engine_lib
 from rl_scaling.rollout import generator as generator_lib
-from rl_scaling.rollout import pipeline
+from rl_scaling.rollout import topology
 from rl_scaling.tasks.tokenizer import CharTokenizer
 from tests.conftest import TINY
 
@@ -35,7 +35,7 @@ def _specs(tree):
 def test_engine_shardings_equal_the_dry_runs():
     config = _config()
     gen_cfg = config_lib.model_config(config, config.rollout.fp32_lm_head)
-    eng, holder = pipeline.make_engine(config, gen_cfg, TOK, jax.devices())
+    eng, holder = topology.make_engine(config, gen_cfg, TOK, jax.devices())
     assert dict(eng.mesh.shape) == GEN_MESH
     from flax import linen as nn
 

@@ -14,6 +14,7 @@ from rl_scaling import data, sharding, tasks
 from rl_scaling.rollout import engine as engine_lib
 from rl_scaling.rollout import generator as generator_lib
 from rl_scaling.rollout import pipeline as pipeline_lib
+from rl_scaling.rollout import topology
 from tests.conftest import TINY
 from tests.test_engine import make_engine
 
@@ -196,11 +197,11 @@ def test_config_errors_name_the_field():
     c = tiny.get_config()
     c.rollout.mode = "pipelin"
     with pytest.raises(ValueError, match="config.rollout.mode"):
-        pipeline_lib.check_config(c)
+        topology.check_config(c)
     c = tiny.get_config()
     c.rollout.stale_policy = "hold"
     with pytest.raises(ValueError, match="config.rollout.stale_policy"):
-        pipeline_lib.check_config(c)
+        topology.check_config(c)
 
 
 def _tiny_run_config(mode, steps=4):

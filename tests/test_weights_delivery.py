@@ -133,17 +133,17 @@ def test_a_bad_push_dtype_is_a_named_error():
     from configs import dense_8b, scout_moe, tiny
     from rl_scaling.serving import client as client_lib
     from rl_scaling.serving import multihost
-    from rl_scaling.rollout import pipeline as pipeline_lib
+    from rl_scaling.rollout import topology
     from rl_scaling.serving import wire
 
     config = tiny.get_config()
     assert config.rollout.push_dtype == ""  # the tiny runs stay bit-exact
     assert dense_8b.get_config().rollout.push_dtype == scout_moe.get_config().rollout.push_dtype == "bfloat16"
-    pipeline_lib.check_config(config)
+    topology.check_config(config)
     for bad in ("float16", "bf16", "int8"):
         config.rollout.push_dtype = bad
         with pytest.raises(ValueError, match=f"config.rollout.push_dtype='{bad}' is not valid"):
-            pipeline_lib.check_config(config)
+            topology.check_config(config)
         with pytest.raises(ValueError, match="rollout.push_dtype"):
             client_lib.RemoteBackend("127.0.0.1:1", push_dtype=bad)
         with pytest.raises(ValueError, match="rollout.push_dtype"):

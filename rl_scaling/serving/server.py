@@ -498,11 +498,11 @@ def serve(config, *, host: str = "127.0.0.1", port: int = 0, devices=None, jetst
     `weights_dir`), or start as version 0 from `params` (an Orbax params checkpoint or a Hugging
     Face directory)."""
     from rl_scaling import checkpoint, config as config_lib, tasks, train
-    from rl_scaling.rollout import pipeline
+    from rl_scaling.rollout import topology
 
     task = tasks.make_task(config.task, config.seed)
     gen_cfg = config_lib.model_config(config, config.rollout.fp32_lm_head)
-    engine, holder = pipeline.make_engine(config, gen_cfg, task.tokenizer, devices or jax.devices())
+    engine, holder = topology.make_engine(config, gen_cfg, task.tokenizer, devices or jax.devices())
     if params:
         abstract = checkpoint.abstract_like(
             jax.eval_shape(lambda: nn.unbox(model_lib.init_params(gen_cfg, jax.random.key(0)))), engine.param_shardings)
