@@ -63,17 +63,18 @@ def main(argv):
     import jax
 
     from rl_scaling import paths
+    from rl_scaling.serving import rpc, wire
     from rl_scaling.serving import server as server_lib
 
     try:
-        token = server_lib.load_token(_TOKEN_FILE.value)
+        token = wire.load_token(_TOKEN_FILE.value)
     except ValueError as e:
         sys.exit(f"launch/serve.py: {e}")
     if not 0 <= _PORT.value <= 65535:
         sys.exit(f"launch/serve.py: --port={_PORT.value}: give 0..65535 (0 picks a free port)")
-    if not token and not server_lib.is_loopback(_HOST.value):
+    if not token and not rpc.is_loopback(_HOST.value):
         sys.exit(f"launch/serve.py: --host={_HOST.value} does not resolve to loopback addresses only: set "
-                 f"{server_lib.TOKEN_ENV} or --token_file (the shared secret every RPC must carry), or bind 127.0.0.1")
+                 f"{wire.TOKEN_ENV} or --token_file (the shared secret every RPC must carry), or bind 127.0.0.1")
     paths.configure_storage(_CONFIG.value.get("storage"))
     if _PARAMS.value:  # before the engine is built: a wrong or unreachable path fails in seconds
         try:

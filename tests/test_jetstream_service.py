@@ -23,6 +23,8 @@ import pytest
 from rl_scaling.policy import model as model_lib
 from rl_scaling.rollout import engine as engine_lib
 from rl_scaling.rollout import generator as generator_lib
+from rl_scaling.serving import client as client_lib
+from rl_scaling.serving import wire
 from rl_scaling.serving import server as server_lib
 from rl_scaling.rollout.jetstream_compat import jetstream_pb2 as pb
 from rl_scaling.rollout.jetstream_compat import jetstream_pb2_grpc
@@ -164,7 +166,7 @@ def _assert_serves(srv, channel, greedy):
     """Both services still answer a well-formed request correctly."""
     samples = _samples(_stub(channel), _token_request(TOK.encode("12+3=")))
     assert [t for s in samples for t in s.token_ids] == greedy([TOK.bos_id, *TOK.encode("12+3=")])
-    backend = server_lib.RemoteBackend(srv.address, reconnect_s=5)
+    backend = client_lib.RemoteBackend(srv.address, reconnect_s=5)
     try:
         backend.submit([generator_lib.GroupRequest(7, np.asarray(TOK.encode("<bos>1+2="), np.int32), 2)])
         results = []
@@ -187,7 +189,7 @@ def test_malformed_decode_and_health_check_get_invalid_argument(served, greedy, 
     stub = _stub(channel)
     cases = [
         (decode, b"\xff\x00garbage", "not a jetstream_proto.DecodeRequest"),
-        (decode, server_lib.pack({"session": "x", "groups": []}), "not a jetstream_proto.DecodeRequest"),
+        (decode, wire.pack({"session": "x", "groups": []}), "not a jetstream_proto.DecodeRequest"),
         # another message type that parses (its field 1 becomes an unknown field): no content
         (decode, pb.HealthCheckResponse(is_live=True).SerializeToString(), "neither"),
         (health, b"\xff\x00garbage", "not a jetstream_proto.HealthCheckRequest"),
@@ -214,7 +216,7 @@ def test_server_fault_is_internal_with_one_line(served, monkeypatch):
         raise RuntimeError("injected fault")
 
     monkeypatch.setattr(srv, "_stats", broken)
-    err = _rpc_error(channel.unary_unary("/rl_scaling.Rollout/Health"), server_lib.pack({}))
+    err = _rpc_error(channel.unary_unary("/rl_scaling.Rollout/Health"), wire.pack({}))
     assert err.code() == grpc.StatusCode.INTERNAL
     assert err.details() == "Health: server error: RuntimeError: injected fault"
 
@@ -262,7 +264,7 @@ def test_malformed_rollout_requests_get_invalid_argument_and_nothing_is_unpickle
     np.lib.format.write_array_header_1_0(huge_header, {"descr": "<i4", "fortran_order": False, "shape": (10**12,)})
 
     def submit(groups, **arrays):
-        return server_lib.pack({"session": "s", "groups": groups}, arrays)
+        return wire.pack({"session": "s", "groups": groups}, arrays)
 
     good_group = {"id": 1, "num_samples": 2, "min_version": 0}
     prompt = np.asarray(TOK.encode("<bos>1+2="), np.int32)
@@ -271,7 +273,7 @@ def test_malformed_rollout_requests_get_invalid_argument_and_nothing_is_unpickle
 
     def chunk(dtype=np.float32, shp=shape, key=leaf):
         data = np.zeros(shp, dtype).reshape(-1).view(np.uint8)
-        return server_lib.pack({"version": 9, "key": key, "dtype": np.dtype(dtype).name, "shape": list(shp),
+        return wire.pack({"version": 9, "key": key, "dtype": np.dtype(dtype).name, "shape": list(shp),
                                 "part": 0, "parts": 1}, {"data": data})
 
     cases = [
@@ -284,7 +286,7 @@ def test_malformed_rollout_requests_get_invalid_argument_and_nothing_is_unpickle
         (rpc["Submit"], _npz({"__meta__": _meta({"session": "s", "groups": [good_group]}),
                               "prompt_1": huge_header.getvalue() + b"\0" * 16}), "not a plain array of its size"),
         (rpc["Submit"], _npz({"__meta__": _npy(np.arange(3.0))}), "__meta__ is float64"),
-        (rpc["Submit"], server_lib.pack({"session": 3, "groups": []}), "field 'session' must be a str"),
+        (rpc["Submit"], wire.pack({"session": 3, "groups": []}), "field 'session' must be a str"),
         (rpc["Submit"], submit([good_group]), "no array prompt_1"),
         (rpc["Submit"], submit([good_group], prompt_1=prompt.astype(np.float32)), "1-D array of integer token ids"),
         (rpc["Submit"], submit([good_group], prompt_1=np.stack([prompt, prompt])), "1-D array of integer token ids"),
@@ -293,14 +295,14 @@ def test_malformed_rollout_requests_get_invalid_argument_and_nothing_is_unpickle
         (rpc["Submit"], submit([{**good_group, "num_samples": 10**9}], prompt_1=prompt), "num_samples=1000000000"),
         (rpc["Submit"], submit([{**good_group, "id": "1"}], prompt_1=prompt), "field 'id' must be an int"),
         (rpc["Fetch"], b"\x00\x01", "not a message of this service"),
-        (rpc["Fetch"], server_lib.pack({"ack": ["x"], "timeout": 0}), "ack a list of group ids"),
-        (rpc["Fetch"], server_lib.pack({"timeout": "soon"}), "field 'timeout' must be a float"),
+        (rpc["Fetch"], wire.pack({"ack": ["x"], "timeout": 0}), "ack a list of group ids"),
+        (rpc["Fetch"], wire.pack({"timeout": "soon"}), "field 'timeout' must be a float"),
         (rpc["Health"], b"garbage", "not a message of this service"),
         (push, iter([b"garbage"]), "not a message of this service"),
         (push, iter([chunk(np.int32)]), "weights are floating point, got dtype int32"),
         (push, iter([chunk(shp=(3, 5))]), f"has shape (3, 5), the server's model expects {tuple(shape)}"),
         (push, iter([chunk(key="['nope']")]), "the server's model has no weight ['nope']"),
-        (push, iter([chunk(), server_lib.pack({"version": 9, "done": True, "leaves": 1})]), "weight push has no"),
+        (push, iter([chunk(), wire.pack({"version": 9, "done": True, "leaves": 1})]), "weight push has no"),
         (push, iter([chunk()]), "ended before its last chunk"),
     ]
     session = ((server_lib.SESSION_METADATA, "s"),)  # a push without one is refused first (test_server_edges.py)
@@ -310,7 +312,7 @@ def test_malformed_rollout_requests_get_invalid_argument_and_nothing_is_unpickle
         assert err.code() == INVALID, (message, err.code(), err.details())
         assert message in err.details() and "Traceback" not in err.details(), (message, err.details())
     assert srv.holder.version == version  # no malformed push changed the weights
-    rpc["Health"](server_lib.pack({"session": "s", "release": True}), timeout=30)  # as a closing trainer does
+    rpc["Health"](wire.pack({"session": "s", "release": True}), timeout=30)  # as a closing trainer does
     _assert_serves(srv, channel, greedy)
 
 

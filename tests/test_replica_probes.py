@@ -14,6 +14,7 @@ import numpy as np
 from rl_scaling import data, tasks
 from rl_scaling.serving import client as client_lib
 from rl_scaling.rollout import pipeline as pipeline_lib
+from rl_scaling.serving import wire
 from rl_scaling.serving import server as server_lib
 from tests.test_engine import make_engine
 from tests.test_pipeline import G, P, T, _Scripted
@@ -38,7 +39,7 @@ class _Hung:
         handlers = {n: grpc.unary_unary_rpc_method_handler(block) for n in ("Health", "Submit", "Fetch")}
         handlers["PushWeights"] = grpc.stream_unary_rpc_method_handler(block_stream)
         self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=16))
-        self.server.add_generic_rpc_handlers([grpc.method_handlers_generic_handler(server_lib.SERVICE, handlers)])
+        self.server.add_generic_rpc_handlers([grpc.method_handlers_generic_handler(wire.SERVICE, handlers)])
         self.port = self.server.add_insecure_port("127.0.0.1:0")
         self.server.start()
 

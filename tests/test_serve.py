@@ -20,6 +20,8 @@ from rl_scaling import data, tasks
 from rl_scaling.rl import train_step as ts
 from rl_scaling.rollout import engine as engine_lib
 from rl_scaling.rollout import pipeline as pipeline_lib
+from rl_scaling.serving import client as client_lib
+from rl_scaling.serving import wire
 from rl_scaling.serving import server as server_lib
 from tests.conftest import TINY
 from tests.test_engine import make_engine
@@ -39,16 +41,16 @@ def _pipeline(backend, k=1):
 
 
 def test_wire_format_roundtrip():
-    meta, arrays = server_lib.unpack(server_lib.pack({"a": [1, 2], "s": "x"}, {"t": np.arange(6, dtype=np.int32)}))
+    meta, arrays = wire.unpack(wire.pack({"a": [1, 2], "s": "x"}, {"t": np.arange(6, dtype=np.int32)}))
     assert meta == {"a": [1, 2], "s": "x"} and arrays["t"].tolist() == list(range(6))
     params = {"w": np.linspace(-1, 1, 12, dtype=np.float32).reshape(3, 4).astype(ml_dtypes.bfloat16),
               "b": {"c": np.arange(5, dtype=np.float32)}}
-    version, got = server_lib.read_weight_chunks(server_lib.weight_chunks(params, 7))
+    version, got = wire.read_weight_chunks(wire.weight_chunks(params, 7))
     assert version == 7 and got["['w']"].dtype == ml_dtypes.bfloat16
     np.testing.assert_array_equal(got["['w']"], params["w"])
     np.testing.assert_array_equal(got["['b']['c']"], params["b"]["c"])
     with pytest.raises(ValueError, match="incomplete|ended"):
-        server_lib.read_weight_chunks(list(server_lib.weight_chunks(params, 7))[1:])
+        wire.read_weight_chunks(list(wire.weight_chunks(params, 7))[1:])
 
 
 def test_pipeline_over_grpc_exact_logprobs_and_versions(mesh1, tiny_params):
@@ -56,7 +58,7 @@ def test_pipeline_over_grpc_exact_logprobs_and_versions(mesh1, tiny_params):
     srv = server_lib.RolloutServer(eng, eng.load_params(), host="127.0.0.1", port=0).start()
     pipe = None
     try:
-        pipe = _pipeline(server_lib.RemoteBackend(srv.address, reconnect_s=5))
+        pipe = _pipeline(client_lib.RemoteBackend(srv.address, reconnect_s=5))
         params = tiny_params
         pipe.push_weights(params, 0)
         seen = set()
@@ -89,7 +91,7 @@ def test_fetch_replies_are_bounded_in_bytes_and_lose_no_group(mesh1, tiny_params
     srv = server_lib.RolloutServer(eng, eng.load_params(), host="127.0.0.1", port=0, reply_bytes=1).start()
     pipe = None
     try:
-        backend = server_lib.RemoteBackend(srv.address, reconnect_s=5)
+        backend = client_lib.RemoteBackend(srv.address, reconnect_s=5)
         per_reply, poll = [], backend.poll
         backend.poll = lambda timeout: per_reply.append(poll(timeout)) or per_reply[-1]
         pipe = _pipeline(backend)
@@ -114,7 +116,7 @@ def test_server_side_engine_failure_reaches_the_trainer(mesh1, tiny_params):
     eng = _engine(mesh1, _FailingEngine)
     srv = server_lib.RolloutServer(eng, eng.load_params(), host="127.0.0.1", port=0).start()
     try:
-        pipe = _pipeline(server_lib.RemoteBackend(srv.address, reconnect_s=5))
+        pipe = _pipeline(client_lib.RemoteBackend(srv.address, reconnect_s=5))
         pipe.push_weights(tiny_params, 0)
         t = time.time()
         with pytest.raises(pipeline_lib.RolloutError, match="injected: device lost"):
@@ -128,7 +130,7 @@ def test_server_side_engine_failure_reaches_the_trainer(mesh1, tiny_params):
 def test_lost_server_stops_the_trainer_with_a_clear_error(mesh1, tiny_params):
     eng = _engine(mesh1)
     srv = server_lib.RolloutServer(eng, eng.load_params(), host="127.0.0.1", port=0).start()
-    pipe = _pipeline(server_lib.RemoteBackend(srv.address, reconnect_s=2))
+    pipe = _pipeline(client_lib.RemoteBackend(srv.address, reconnect_s=2))
     try:
         pipe.push_weights(tiny_params, 0)
         pipe.next_batch()

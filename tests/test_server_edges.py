@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 from rl_scaling.serving import client as client_lib
+from rl_scaling.serving import rpc as rpc_lib
 from rl_scaling.serving import server as server_lib
 from rl_scaling.serving import wire
 from rl_scaling.rollout.errors import RolloutError
@@ -41,7 +42,7 @@ def test_a_second_server_on_a_taken_port_fails_naming_it(mesh1):
                                             ("127.evil.example", False), ("0.0.0.0", False), ("::", False),
                                             ("no-such-host.invalid", False)])
 def test_loopback_is_decided_on_the_resolved_address(host, loopback):
-    assert server_lib.is_loopback(host) is loopback
+    assert rpc_lib.is_loopback(host) is loopback
 
 
 def test_pushes_without_session_out_of_range_or_non_finite_are_refused_and_the_replica_keeps_serving(

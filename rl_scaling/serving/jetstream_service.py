@@ -32,7 +32,8 @@ from google.protobuf import message as pb_message
 
 from rl_scaling.rollout import generator as generator_lib
 from rl_scaling.rollout import jetstream_compat
-from rl_scaling.serving.server import BadRequest, Refused, check_prompt, guarded, guarded_stream
+from rl_scaling.serving.rpc import Refused, guarded, guarded_stream
+from rl_scaling.serving.wire import BadRequest, check_prompt
 
 SERVICE = "jetstream_proto.Orchestrator"
 

@@ -16,11 +16,11 @@ The service uses grpc's generic handlers (no generated code); messages are wire.
 archives, never unpickled. Every request is checked field by field before it touches the
 engine; a malformed one is answered INVALID_ARGUMENT with a message naming the fault, a
 well-formed one beyond the server's limits RESOURCE_EXHAUSTED, any other failure INTERNAL
-with a one-line message (the traceback stays in the server's log), never UNKNOWN.
+with a one-line message (the traceback stays in the server's log), never UNKNOWN (rpc.guarded).
 
 Authentication: with a token (wire.load_token: $RL_SCALING_ROLLOUT_TOKEN or --token_file),
 every RPC of every service must carry it in the `x-rl-scaling-token` metadata (compared in
-constant time) or is answered UNAUTHENTICATED before any handler runs.
+constant time) or is answered UNAUTHENTICATED before any handler runs (rpc.TokenCheck).
 
   Health({})                                  -> {instance, live, error, version, fingerprint, devices, stats}
   PushWeights(stream of chunks; metadata x-rl-scaling-session)   -> {version}
@@ -56,10 +56,6 @@ naming the address instead of sharing the port's connections.
 
 from __future__ import annotations
 
-import functools
-import hashlib
-import hmac
-import ipaddress
 import logging
 import queue
 import threading
@@ -75,11 +71,10 @@ from flax import linen as nn
 from rl_scaling.policy import model as model_lib
 from rl_scaling.rollout import generator as generator_lib
 from rl_scaling.serving import weights_dir as weights_dir_lib
-from rl_scaling.serving.client import RemoteBackend  # noqa: F401 - re-exported: the service's client
-from rl_scaling.rollout.errors import RolloutError  # noqa: F401 - re-exported
-from rl_scaling.serving.wire import (  # noqa: F401 - re-exported for the service's users
-    CHUNK_BYTES, OPTIONS, RESULT_FIELDS, SERVICE, TOKEN_ENV, TOKEN_METADATA, BadRequest, _leaf_keys, check_prompt, field,
-    fingerprint, load_token, pack, read_weight_chunks, result_arrays, unpack, weight_chunks)
+from rl_scaling.serving.rpc import Refused, TokenCheck, bind_address, guarded
+from rl_scaling.serving.wire import (
+    OPTIONS, SERVICE, BadRequest, _leaf_keys, check_prompt, field, fingerprint, pack, read_weight_chunks, result_arrays,
+    unpack)
 
 log = logging.getLogger(__name__)
 
@@ -97,115 +92,6 @@ SESSION_LEASE_S = 60.0  # a trainer that has not called for this long no longer 
 # binds too, and the kernel splits the connections between the two silently.
 SERVER_OPTIONS = OPTIONS + [("grpc.so_reuseport", 0)]
 
-
-def is_loopback(host: str) -> bool:
-    """Whether `host` resolves to loopback addresses only (decided on the resolved addresses, not
-    the spelling: `127.evil.example` is whatever DNS says it is; a name that does not resolve is
-    not loopback)."""
-    host = host.strip()
-    if host.startswith("[") and host.endswith("]"):
-        host = host[1:-1]
-    import socket
-
-    try:
-        infos = socket.getaddrinfo(host, None, proto=socket.IPPROTO_TCP)
-    except (OSError, UnicodeError):
-        return False
-    addresses = {info[4][0].split("%", 1)[0] for info in infos}
-    try:
-        return bool(addresses) and all(ipaddress.ip_address(a).is_loopback for a in addresses)
-    except ValueError:
-        return False
-
-
-def bind_address(host: str, port: int) -> str:
-    """`host:port` as grpc takes it (an IPv6 literal in brackets)."""
-    host = host.strip()
-    if ":" in host and not host.startswith("["):
-        host = f"[{host}]"
-    return f"{host}:{port}"
-
-
-class Refused(Exception):
-    """A well-formed request the server cannot serve now: answered with `code` and the message."""
-
-    def __init__(self, code: grpc.StatusCode, message: str):
-        super().__init__(message)
-        self.code = code
-
-
-def _abort_with(method: str, context, e: Exception):
-    if isinstance(e, BadRequest):
-        code = grpc.StatusCode.INVALID_ARGUMENT
-    elif isinstance(e, Refused):
-        code = e.code
-    elif not context.is_active():  # the client hung up mid-request (a cancelled stream raises here)
-        return
-    else:  # a fault of the server's own: the traceback goes to its log, one line to the client
-        log.error("%s failed", method, exc_info=e)
-        code, e = grpc.StatusCode.INTERNAL, f"server error: {type(e).__name__}: {e}"
-    context.abort(code, f"{method}: {e}")
-
-
-def guarded(method: str, fn):
-    """A unary-response handler that answers every exception with a status (see the module doc)."""
-
-    @functools.wraps(fn)
-    def handler(request, context):
-        try:
-            return fn(request, context)
-        except Exception as e:  # noqa: BLE001 - each becomes a status, never UNKNOWN
-            error = e
-        _abort_with(method, context, error)
-
-    return handler
-
-
-def guarded_stream(method: str, fn):
-    """`guarded` for a handler that yields its responses."""
-
-    @functools.wraps(fn)
-    def handler(request, context):
-        try:
-            yield from fn(request, context)
-            return
-        except Exception as e:  # noqa: BLE001
-            error = e
-        _abort_with(method, context, error)
-
-    return handler
-
-
-def _token_digest(token: str) -> bytes:
-    return hashlib.sha256(token.encode()).digest()  # equal lengths: compare_digest leaks nothing
-
-
-class TokenCheck(grpc.ServerInterceptor):
-    """Every RPC, of every service on the server, must carry the shared secret."""
-
-    def __init__(self, token: str):
-        self._digest = _token_digest(token)
-
-    def intercept_service(self, continuation, details):
-        given = dict(details.invocation_metadata or ()).get(TOKEN_METADATA, "")
-        if hmac.compare_digest(_token_digest(given if isinstance(given, str) else ""), self._digest):
-            return continuation(details)
-        handler = continuation(details)
-        if handler is None:
-            return None
-        message = f"{details.method}: missing or wrong {TOKEN_METADATA} (the rollout token: ${TOKEN_ENV} or --token_file)"
-
-        def deny(request, context):
-            context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
-
-        def deny_stream(request, context):
-            context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
-            yield  # never reached: makes this a response stream
-
-        kind = (handler.request_streaming, handler.response_streaming)
-        make = {(False, False): grpc.unary_unary_rpc_method_handler, (True, False): grpc.stream_unary_rpc_method_handler,
-                (False, True): grpc.unary_stream_rpc_method_handler, (True, True): grpc.stream_stream_rpc_method_handler}
-        return make[kind](deny_stream if kind[1] else deny)
 
 class RolloutServer:
     """The gRPC service over one engine + generator thread (and, with `jetstream`, JetStream's
