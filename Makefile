@@ -162,6 +162,25 @@ results-sizes-lr: venv
 	$(BIN)/python launch/fit.py $(RESULTS)/scalerl/seed0 $(RESULTS)/scalerl/seed1 $(RESULTS)/sizes/m \
 		$(RESULTS)/sizes/l_lr --out=$(RESULTS)/fit_sizes_lr --noise=$(RESULTS)/noise.json
 
+# Size l at lr 1e-4 out of sample, as results-sizes-long for lr 3e-4: both shapes' predictions at 1.5x and 2x
+# frozen from the 1,536,000-sample runs (preregistered_l_lr_long.json, committed before the continuation),
+# the runs copied with their checkpoints into sizes/l_lr_long and continued to LONG_SAMPLES (~140 min two at
+# a time), scored into extension_l_lr.md, and the size table again in fit_sizes_lr_long/.
+results-sizes-lr-long: venv
+	test -f $(RESULTS)/preregistered_l_lr_long.json || $(BIN)/python launch/preregister.py freeze \
+		--runs=$(RESULTS)/sizes/l_lr --recipes=scalerl+size=l+optim.lr=$(L_LR) --multiples=1.5,2 \
+		--out=$(RESULTS)/preregistered_l_lr_long.json
+	test -d $(RESULTS)/sizes/l_lr_long || (mkdir -p $(RESULTS)/sizes/l_lr_long && \
+		cp -a "$(RESULTS)/sizes/l_lr/scalerl+size=l+optim.lr=$(L_LR)" $(RESULTS)/sizes/l_lr_long/)
+	JAX_PLATFORMS=cpu $(BIN)/python launch/sweep.py \
+		--config=configs/tiny.py:samples=$(LONG_SAMPLES),evals=$(call EVALS,$(LONG_SAMPLES)),size=l \
+		--jobs=2 --workdir=$(RESULTS)/sizes/l_lr_long --recipes=scalerl+size=l+optim.lr=$(L_LR) --seeds=2 \
+		--init_checkpoint=$(RESULTS)/sizes/l/warmstart/warmstart/params
+	$(BIN)/python launch/preregister.py score --prereg=$(RESULTS)/preregistered_l_lr_long.json \
+		--runs=$(RESULTS)/sizes/l_lr_long --out=$(RESULTS)/extension_l_lr.md
+	$(BIN)/python launch/fit.py $(RESULTS)/scalerl/seed0 $(RESULTS)/scalerl/seed1 $(RESULTS)/sizes/m \
+		$(RESULTS)/sizes/l_lr_long --out=$(RESULTS)/fit_sizes_lr_long --noise=$(RESULTS)/noise.json
+
 # README's "The law on the tiny task" numbers, regenerated from the shipped results (no refit).
 report: venv
 	$(BIN)/python launch/report.py --write-readme
@@ -175,4 +194,4 @@ bench-peers: $(BIN)/.installed-test
 	bash ../shared/peers/setup.sh
 	JAX_PLATFORMS=cpu $(BIN)/python launch/bench_tunix.py --rounds=5
 
-.PHONY: venv lint run test test-slow test-aot results results-extension results-sizes results-sizes-confirm results-sizes-long results-sizes-lr report bench bench-peers
+.PHONY: venv lint run test test-slow test-aot results results-extension results-sizes results-sizes-confirm results-sizes-long results-sizes-lr results-sizes-lr-long report bench bench-peers
