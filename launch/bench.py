@@ -504,7 +504,7 @@ def bench_dry_run(cfg, shapes, topology):
     return out
 
 
-# ---- JSON lines, and the tunix peer in alternating processes ------------------------------------
+# ---- JSON lines ----------------------------------------------------------------------------------
 
 def _line(name, case, cfg, device, reps, warmup, smoke, res):
     return {"tool": "rl_scaling", "case": case, "preset": name, "smoke": smoke, "backend": jax.default_backend(),

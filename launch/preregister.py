@@ -10,7 +10,7 @@
         --runs=notebooks/results/sizes/l_confirm --noise=notebooks/results/noise.json \\
         --out=notebooks/results/sizes_confirmation.md
     python launch/preregister.py freeze-stability --baseline=notebooks/results/sizes/l/scalerl+size=l \\
-        --recipe=scalerl+size=l+optim.lr=0.0001 --reference-fit=notebooks/results/fit/fit.json \\
+        --recipe=scalerl+size=l+optim.lr=0.0001 --reference-fit=notebooks/results/fit_sizes/fit.json \\
         --spread-below=0.015 --out=notebooks/results/preregistered_l_lr.json
     python launch/preregister.py score-stability --prereg=notebooks/results/preregistered_l_lr.json \\
         --runs=notebooks/results/sizes/l_lr --noise=notebooks/results/noise.json \\

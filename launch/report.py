@@ -230,6 +230,10 @@ def _unmeasured(recs):
     return out
 
 
+def _reasons(unmeasured):
+    return "; ".join(f"{z}: {w}" for z, w in unmeasured.items())
+
+
 def _size_recs(fit, labels=SIZE_LABELS):
     return {labels[k]: v for k, v in fit["recipes"].items() if k in labels and v.get("status", "ok") == "ok"}
 
@@ -244,8 +248,8 @@ def sizes_section(results):
              "of its own compute):", ""] + _size_table(results, recs)
     unmeasured = _unmeasured(recs)
     if unmeasured:
-        why = "; ".join(f"{z}: {w}" for z, w in unmeasured.items())
-        lines.append(f"- The ceilings of size(s) {', '.join(unmeasured)} are not identifiable with this window rule ({why}). "
+        lines.append(f"- The ceilings of size(s) {', '.join(unmeasured)} are not identifiable with this window rule "
+                     f"({_reasons(unmeasured)}). "
                      "`make results-sizes SIZE_SAMPLES=N` extends finished runs from their last checkpoints; the shipped "
                      "runs keep none, so it reruns them from their warm starts once their "
                      "`sizes/<size>/scalerl+size=<size>` runs are moved away.")
@@ -265,8 +269,7 @@ def sizes_section(results):
               "read it as a sensitivity check, not a pre-registered result.", ""] + _size_table(results, recs)
     unmeasured = _unmeasured(recs)
     if unmeasured:
-        why = "; ".join(f"{z}: {w}" for z, w in unmeasured.items())
-        lines.append(f"- Still not identifiable: {', '.join(unmeasured)} ({why}).")
+        lines.append(f"- Still not identifiable: {', '.join(unmeasured)} ({_reasons(unmeasured)}).")
     return lines + _size_pairs(recs) + _size_confirmation(results)
 
 
@@ -337,8 +340,7 @@ def size_long_section(results):
     lines += _size_table(results, recs, {**SIZE_RUNS, "l": "sizes/l_long/scalerl+size=l"})
     unmeasured = _unmeasured(recs)
     if unmeasured:
-        why = "; ".join(f"{z}: {w}" for z, w in unmeasured.items())
-        lines.append(f"- Ceiling not measured: {', '.join(unmeasured)} ({why}).")
+        lines.append(f"- Ceiling not measured: {', '.join(unmeasured)} ({_reasons(unmeasured)}).")
     noise = _load(results, "noise.json")
     spread = {z: _jitter(results, d) for z, d in (("s", "scalerl"), ("m", SIZE_RUNS["m"]), ("l seeds 0-1", SIZE_RUNS["l"]),
                                                     ("l seeds 2-3", "sizes/l_long/scalerl+size=l"))}
@@ -381,8 +383,7 @@ def size_lr_section(results):
     lines += _size_table(results, recs, {**SIZE_RUNS, "l": lr_dir})
     unmeasured = _unmeasured(recs)
     if unmeasured:
-        lines.append(f"- Ceiling not measured: {', '.join(unmeasured)} ("
-                     + "; ".join(f"{z}: {w}" for z, w in unmeasured.items()) + ").")
+        lines.append(f"- Ceiling not measured: {', '.join(unmeasured)} ({_reasons(unmeasured)}).")
     return lines + _size_pairs(recs)
 
 
