@@ -292,6 +292,9 @@ def schedule(args, runs, record, workdir, planned=None):
                       "rerun it from the start)", flush=True)
                 ran = None
             if ran:
+                # the marker goes before the run starts: its config.json now plans the longer budget,
+                # so a marker left behind would read an interrupted extension as finished
+                os.remove(os.path.join(wd, DONE))
                 entry["extended_from_steps"] = ran
                 print(f"[{i + 1}/{len(runs)}] {label} seed {seed}: finished at {ran} steps, extended to "
                       f"{planned[wd]} from its last checkpoint", flush=True)

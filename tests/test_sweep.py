@@ -93,6 +93,9 @@ sys.path.insert(0, {root!r})
 from configs import tiny
 steps = tiny.get_config(flags["config"].split(":", 1)[1]).steps  # the planned steps, as the trainer records them
 json.dump({{"recipe": label, "seed": seed, "steps": steps}}, open(os.path.join(wd, "config.json"), "w"))
+if os.path.exists(os.path.join(wd, "preempt_me")):  # stopped after recording its new plan, as a preempted run is
+    os.remove(os.path.join(wd, "preempt_me"))
+    sys.exit(75)
 os.makedirs(os.path.join(wd, "checkpoints", str(steps)), exist_ok=True)
 with open(os.path.join(wd, "metrics.jsonl"), "w") as f:
     for i in range(25):
@@ -140,6 +143,15 @@ def test_sweep_runs_fits_and_writes_the_comparison(tmp_path):
     assert [r.get("extended_from_steps") for r in record["runs"]] == [1000, 125, 1000, None]  # grpo: 8x the rows
     assert [bool(r.get("skipped")) for r in record["runs"]] == [False, False, False, True]
     assert [json.loads((out / r / "seed0" / "config.json").read_text())["steps"] for r in ("scalerl", "grpo")] == [2000, 250]
+    # an extension stopped part way (its config.json already plans the longer budget) is resumed by
+    # the next sweep, not read as finished
+    (out / "scalerl" / "seed0" / "preempt_me").touch()
+    longer = argv + ["--config=configs/tiny.py:samples=1024000"]
+    assert sweep.main(longer) == 1
+    assert sweep.main(longer) == 0
+    record = json.loads((out / "sweep.json").read_text())
+    assert [(r.get("rc"), bool(r.get("skipped"))) for r in record["runs"]] == [(0, False), (0, True), (0, True), (0, True)]
+    assert (out / "calls.log").read_text().split()[-1] == str(out / "scalerl" / "seed0")
 
 
 SLOW_FAKE_PYTHON = r'''#!{python}
