@@ -302,19 +302,28 @@ def _jitter(results, run_dir):
     return out
 
 
-def size_long_section(results):
-    """Size l's seeds 2 and 3 continued to 2x their budget: the predictions frozen from their first half
-    against what the second half showed, and the default-window fit over the whole longer runs."""
-    pre = _load(results, "preregistered_l_long.json")
+LONG_CHECKS = (  # size l's runs continued out of sample: (pre-registration, scored extension, size-table fit,
+    # the continued runs, what they are, their make target)
+    ("preregistered_l_long.json", "extension_l", "fit_sizes_long", "sizes/l_long/scalerl+size=l",
+     "Size l", "results-sizes-long"),
+    ("preregistered_l_lr_long.json", "extension_l_lr", "fit_sizes_lr_long", "sizes/l_lr_long/scalerl+size=l+optim.lr=0.0001",
+     "Size l at lr 1e-4", "results-sizes-lr-long"),
+)
+
+
+def size_long_section(results, prereg, extension, fit_dir, long_dir, what, target):
+    """Size l's runs continued to 2x their budget: the predictions frozen from the shorter runs against
+    what the continuation showed, and the default-window fit over the whole longer runs."""
+    pre = _load(results, prereg)
     if pre is None:
         return []
     (name, rec), = pre["recipes"].items()
-    said = (f"Size l out of sample (`preregistered_l_long.json`, frozen before the continuation; `extension_l.md`): "
-            f"{name}'s seeds {', '.join(rec['seeds'])} (`sizes/l_confirm`) fitted on their own first half, both "
-            f"shapes predicting their pass rate at {' and '.join(f'{m:g}x' for m in pre['multiples'])} its compute; "
-            "the same runs then continued from their last checkpoints (`sizes/l_long`, one curve each, "
-            "`make results-sizes-long`).")
-    done = _load(results, "extension_l.json")
+    source = os.path.relpath(pre["source"], os.path.relpath(results, ROOT))
+    said = (f"{what} out of sample (`{prereg}`, frozen before the continuation; `{extension}.md`): `{name}`'s seeds "
+            f"{', '.join(rec['seeds'])} as first run (`{source}`), fitted by both shapes to predict their pass rate at "
+            f"{' and '.join(f'{m:g}x' for m in pre['multiples'])} that compute; the same runs then continued from their "
+            f"last checkpoints (`{os.path.dirname(long_dir)}`, one curve each, `make {target}`).")
+    done = _load(results, f"{extension}.json")
     if done is None or not any(t["mean_scored"] for t in done["coverage"].values()):
         return ["", said + " Not run to the predicted compute yet."]
     lines = ["", said, "",
@@ -331,19 +340,19 @@ def size_long_section(results):
         err = ", ".join(f"{e:+.3f}" for e in t["errors"])
         lines.append(f"- {shape}: one-seed intervals cover {t['seed_covered']}/{t['seed_scored']}, seed-mean "
                      f"intervals {t['mean_covered']}/{t['mean_scored']}; seed mean minus prediction {err}.")
-    fit = _load(results, "fit_sizes_long/fit.json")
+    fit = _load(results, f"{fit_dir}/fit.json")
     if fit is None:
         return lines
-    recs = _size_recs(fit)
-    lines += ["", f"The size table again with l's seeds 2 and 3 at {_k(done['samples'])} samples (`fit_sizes_long/`, "
+    recs = _size_recs(fit, {**SIZE_LABELS, name: "l"})
+    lines += ["", f"The size table again with l's continued runs at {_k(done['samples'])} samples (`{fit_dir}/`, "
               "every window the default, the first 1.5/16 of each size's own compute dropped; s and m as above):", ""]
-    lines += _size_table(results, recs, {**SIZE_RUNS, "l": "sizes/l_long/scalerl+size=l"})
+    lines += _size_table(results, recs, {**SIZE_RUNS, "l": long_dir})
     unmeasured = _unmeasured(recs)
     if unmeasured:
         lines.append(f"- Ceiling not measured: {', '.join(unmeasured)} ({_reasons(unmeasured)}).")
     noise = _load(results, "noise.json")
     spread = {z: _jitter(results, d) for z, d in (("s", "scalerl"), ("m", SIZE_RUNS["m"]), ("l seeds 0-1", SIZE_RUNS["l"]),
-                                                    ("l seeds 2-3", "sizes/l_long/scalerl+size=l"))}
+                                                    (f"{what.lower()} continued (seeds {'-'.join(rec['seeds'])})", long_dir))}
     lines.append("- Over each run's second half, per seed: the checkpoint-to-checkpoint spread of the held-out pass "
                  "rate (sd of successive evals' differences / sqrt 2) and the fraction of samples the zero-variance "
                  "filter kept for the update: "
@@ -452,8 +461,8 @@ def report(results):
     lines += recipe_section(results, fit)
     lines += gain_section(results, fit)
     lines += noise_section(fit)
-    lines += ["", *extension_section(results), "", *sizes_section(results), *size_long_section(results),
-              *size_lr_section(results), ""]
+    lines += ["", *extension_section(results), "", *sizes_section(results), *size_long_section(results, *LONG_CHECKS[0]),
+              *size_lr_section(results), *size_long_section(results, *LONG_CHECKS[1]), ""]
     for name, ref, caption in ABLATIONS:
         lines += ablation_section(results, name, ref, caption)
     lines += [END]
