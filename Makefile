@@ -181,6 +181,25 @@ results-sizes-lr-long: venv
 	$(BIN)/python launch/fit.py $(RESULTS)/scalerl/seed0 $(RESULTS)/scalerl/seed1 $(RESULTS)/sizes/m \
 		$(RESULTS)/sizes/l_lr_long --out=$(RESULTS)/fit_sizes_lr_long --noise=$(RESULTS)/noise.json
 
+# Fresh seeds of size l at lr 1e-4 under one window start: fit_sizes_lr_long_start/ fits the runs above
+# from START_SAMPLES (s's default start; a rule chosen after seeing them, so a sensitivity check), and
+# preregistered_l_lr_fresh.json (launch/preregister.py freeze-ceiling, committed before the new runs' first
+# metrics line) freezes what seeds 2 and 3, from l's warm start to LONG_SAMPLES, will show under that rule.
+# ~260 min two at a time: stop at any point, rerun to resume; then scored into sizes_lr_confirmation.md.
+results-sizes-lr-confirm: venv
+	test -f $(RESULTS)/fit_sizes_lr_long_start/fit.json || $(BIN)/python launch/fit.py $(RESULTS)/scalerl/seed0 \
+		$(RESULTS)/scalerl/seed1 $(RESULTS)/sizes/m $(RESULTS)/sizes/l_lr_long --start-samples=$(START_SAMPLES) \
+		--out=$(RESULTS)/fit_sizes_lr_long_start --noise=$(RESULTS)/noise.json
+	test -f $(RESULTS)/preregistered_l_lr_fresh.json || $(BIN)/python launch/preregister.py freeze-ceiling \
+		--fit=$(RESULTS)/fit_sizes_lr_long_start/fit.json --recipe=scalerl+size=l+optim.lr=$(L_LR) \
+		--reference=scalerl --out=$(RESULTS)/preregistered_l_lr_fresh.json
+	JAX_PLATFORMS=cpu $(BIN)/python launch/sweep.py \
+		--config=configs/tiny.py:samples=$(LONG_SAMPLES),evals=$(call EVALS,$(LONG_SAMPLES)),size=l \
+		--jobs=2 --workdir=$(RESULTS)/sizes/l_lr_confirm --recipes=scalerl+size=l+optim.lr=$(L_LR) --seeds=2 \
+		--first_seed=2 --init_checkpoint=$(RESULTS)/sizes/l/warmstart/warmstart/params
+	$(BIN)/python launch/preregister.py score-ceiling --prereg=$(RESULTS)/preregistered_l_lr_fresh.json \
+		--runs=$(RESULTS)/sizes/l_lr_confirm --noise=$(RESULTS)/noise.json --out=$(RESULTS)/sizes_lr_confirmation.md
+
 # README's "The law on the tiny task" numbers, regenerated from the shipped results (no refit).
 report: venv
 	$(BIN)/python launch/report.py --write-readme
@@ -194,4 +213,4 @@ bench-peers: $(BIN)/.installed-test
 	bash ../shared/peers/setup.sh
 	JAX_PLATFORMS=cpu $(BIN)/python launch/bench_tunix.py --rounds=5
 
-.PHONY: venv lint run test test-slow test-aot results results-extension results-sizes results-sizes-confirm results-sizes-long results-sizes-lr results-sizes-lr-long report bench bench-peers
+.PHONY: venv lint run test test-slow test-aot results results-extension results-sizes results-sizes-confirm results-sizes-long results-sizes-lr results-sizes-lr-long results-sizes-lr-confirm report bench bench-peers
