@@ -96,14 +96,19 @@ results-extension: venv
 # 2-core machine; resumable like every sweep. Shipped: m and l at 1,536,000.
 SIZE_SAMPLES ?= $(shell echo $$(( 2 * $(LAW_SAMPLES) )))
 START_SAMPLES ?= $(shell echo $$(( 3 * $(LAW_SAMPLES) / 32 )))
+# Size l's two seeds from its warm start: $(call L_SWEEP,SAMPLES) --workdir=DIR --recipes=RECIPE
+L_SWEEP = JAX_PLATFORMS=cpu $(BIN)/python launch/sweep.py --jobs=2 --seeds=2 \
+	--config=configs/tiny.py:samples=$(1),evals=$(call EVALS,$(1)),size=l \
+	--init_checkpoint=$(RESULTS)/sizes/l/warmstart/warmstart/params
+# The size table: s (the recipe sweep's ScaleRL seeds 0 and 1), m and the l runs in $(1)
+SIZE_FIT = $(BIN)/python launch/fit.py $(RESULTS)/scalerl/seed0 $(RESULTS)/scalerl/seed1 $(RESULTS)/sizes/m \
+	$(1) --noise=$(RESULTS)/noise.json
 results-sizes: venv
 	for size in l m; do JAX_PLATFORMS=cpu $(BIN)/python launch/sweep.py \
 		--config=configs/tiny.py:samples=$(SIZE_SAMPLES),evals=$(call EVALS,$(SIZE_SAMPLES)),size=$$size \
 		--jobs=2 --workdir=$(RESULTS)/sizes/$$size --recipes=scalerl+size=$$size --seeds=2 || exit 1; done
-	$(BIN)/python launch/fit.py $(RESULTS)/scalerl/seed0 $(RESULTS)/scalerl/seed1 $(RESULTS)/sizes/m \
-		$(RESULTS)/sizes/l --out=$(RESULTS)/fit_sizes --noise=$(RESULTS)/noise.json
-	$(BIN)/python launch/fit.py $(RESULTS)/scalerl/seed0 $(RESULTS)/scalerl/seed1 $(RESULTS)/sizes/m \
-		$(RESULTS)/sizes/l --start-samples=$(START_SAMPLES) --out=$(RESULTS)/fit_sizes_start --noise=$(RESULTS)/noise.json
+	$(call SIZE_FIT,$(RESULTS)/sizes/l) --out=$(RESULTS)/fit_sizes
+	$(call SIZE_FIT,$(RESULTS)/sizes/l) --start-samples=$(START_SAMPLES) --out=$(RESULTS)/fit_sizes_start
 
 # The pre-registered check of fit_sizes_start/: preregistered_sizes.json (launch/preregister.py
 # freeze-ceiling, committed before these runs) says what fresh seeds 2 and 3 of size l show under the
@@ -113,10 +118,8 @@ results-sizes-confirm: venv
 	test -f $(RESULTS)/preregistered_sizes.json || $(BIN)/python launch/preregister.py freeze-ceiling \
 		--fit=$(RESULTS)/fit_sizes_start/fit.json --recipe=scalerl+size=l --reference=scalerl \
 		--out=$(RESULTS)/preregistered_sizes.json
-	JAX_PLATFORMS=cpu $(BIN)/python launch/sweep.py \
-		--config=configs/tiny.py:samples=$(SIZE_SAMPLES),evals=$(call EVALS,$(SIZE_SAMPLES)),size=l \
-		--jobs=2 --workdir=$(RESULTS)/sizes/l_confirm --recipes=scalerl+size=l --seeds=2 --first_seed=2 \
-		--init_checkpoint=$(RESULTS)/sizes/l/warmstart/warmstart/params
+	$(call L_SWEEP,$(SIZE_SAMPLES)) --workdir=$(RESULTS)/sizes/l_confirm \
+		--recipes=scalerl+size=l --first_seed=2
 	$(BIN)/python launch/preregister.py score-ceiling --prereg=$(RESULTS)/preregistered_sizes.json \
 		--runs=$(RESULTS)/sizes/l_confirm --noise=$(RESULTS)/noise.json --out=$(RESULTS)/sizes_confirmation.md
 
@@ -134,14 +137,11 @@ results-sizes-long: venv
 		--out=$(RESULTS)/preregistered_l_long.json
 	test -d $(RESULTS)/sizes/l_long || (mkdir -p $(RESULTS)/sizes/l_long && \
 		cp -a "$(RESULTS)/sizes/l_confirm/scalerl+size=l" $(RESULTS)/sizes/l_long/)
-	JAX_PLATFORMS=cpu $(BIN)/python launch/sweep.py \
-		--config=configs/tiny.py:samples=$(LONG_SAMPLES),evals=$(call EVALS,$(LONG_SAMPLES)),size=l \
-		--jobs=2 --workdir=$(RESULTS)/sizes/l_long --recipes=scalerl+size=l --seeds=2 --first_seed=2 \
-		--init_checkpoint=$(RESULTS)/sizes/l/warmstart/warmstart/params
+	$(call L_SWEEP,$(LONG_SAMPLES)) --workdir=$(RESULTS)/sizes/l_long \
+		--recipes=scalerl+size=l --first_seed=2
 	$(BIN)/python launch/preregister.py score --prereg=$(RESULTS)/preregistered_l_long.json \
 		--runs=$(RESULTS)/sizes/l_long --out=$(RESULTS)/extension_l.md
-	$(BIN)/python launch/fit.py $(RESULTS)/scalerl/seed0 $(RESULTS)/scalerl/seed1 $(RESULTS)/sizes/m \
-		$(RESULTS)/sizes/l_long --out=$(RESULTS)/fit_sizes_long --noise=$(RESULTS)/noise.json
+	$(call SIZE_FIT,$(RESULTS)/sizes/l_long) --out=$(RESULTS)/fit_sizes_long
 
 # Size l at a smaller RL step: l's plateau wanders (second-half checkpoint-to-checkpoint spread
 # 0.022-0.028 vs 0.007 at s) with every size at lr 3e-4. preregistered_l_lr.json (launch/preregister.py
@@ -153,14 +153,11 @@ results-sizes-lr: venv
 	test -f $(RESULTS)/preregistered_l_lr.json || $(BIN)/python launch/preregister.py freeze-stability \
 		--baseline="$(RESULTS)/sizes/l/scalerl+size=l" --recipe=scalerl+size=l+optim.lr=$(L_LR) \
 		--reference-fit=$(RESULTS)/fit_sizes/fit.json --spread-below=0.015 --out=$(RESULTS)/preregistered_l_lr.json
-	JAX_PLATFORMS=cpu $(BIN)/python launch/sweep.py \
-		--config=configs/tiny.py:samples=$(SIZE_SAMPLES),evals=$(call EVALS,$(SIZE_SAMPLES)),size=l \
-		--jobs=2 --workdir=$(RESULTS)/sizes/l_lr --recipes=scalerl+size=l+optim.lr=$(L_LR) --seeds=2 \
-		--init_checkpoint=$(RESULTS)/sizes/l/warmstart/warmstart/params
+	$(call L_SWEEP,$(SIZE_SAMPLES)) --workdir=$(RESULTS)/sizes/l_lr \
+		--recipes=scalerl+size=l+optim.lr=$(L_LR)
 	$(BIN)/python launch/preregister.py score-stability --prereg=$(RESULTS)/preregistered_l_lr.json \
 		--runs=$(RESULTS)/sizes/l_lr --noise=$(RESULTS)/noise.json --out=$(RESULTS)/sizes_lr.md
-	$(BIN)/python launch/fit.py $(RESULTS)/scalerl/seed0 $(RESULTS)/scalerl/seed1 $(RESULTS)/sizes/m \
-		$(RESULTS)/sizes/l_lr --out=$(RESULTS)/fit_sizes_lr --noise=$(RESULTS)/noise.json
+	$(call SIZE_FIT,$(RESULTS)/sizes/l_lr) --out=$(RESULTS)/fit_sizes_lr
 
 # Size l at lr 1e-4 out of sample, as results-sizes-long for lr 3e-4: both shapes' predictions at 1.5x and 2x
 # frozen from the 1,536,000-sample runs (preregistered_l_lr_long.json, committed before the continuation),
@@ -172,14 +169,11 @@ results-sizes-lr-long: venv
 		--out=$(RESULTS)/preregistered_l_lr_long.json
 	test -d $(RESULTS)/sizes/l_lr_long || (mkdir -p $(RESULTS)/sizes/l_lr_long && \
 		cp -a "$(RESULTS)/sizes/l_lr/scalerl+size=l+optim.lr=$(L_LR)" $(RESULTS)/sizes/l_lr_long/)
-	JAX_PLATFORMS=cpu $(BIN)/python launch/sweep.py \
-		--config=configs/tiny.py:samples=$(LONG_SAMPLES),evals=$(call EVALS,$(LONG_SAMPLES)),size=l \
-		--jobs=2 --workdir=$(RESULTS)/sizes/l_lr_long --recipes=scalerl+size=l+optim.lr=$(L_LR) --seeds=2 \
-		--init_checkpoint=$(RESULTS)/sizes/l/warmstart/warmstart/params
+	$(call L_SWEEP,$(LONG_SAMPLES)) --workdir=$(RESULTS)/sizes/l_lr_long \
+		--recipes=scalerl+size=l+optim.lr=$(L_LR)
 	$(BIN)/python launch/preregister.py score --prereg=$(RESULTS)/preregistered_l_lr_long.json \
 		--runs=$(RESULTS)/sizes/l_lr_long --out=$(RESULTS)/extension_l_lr.md
-	$(BIN)/python launch/fit.py $(RESULTS)/scalerl/seed0 $(RESULTS)/scalerl/seed1 $(RESULTS)/sizes/m \
-		$(RESULTS)/sizes/l_lr_long --out=$(RESULTS)/fit_sizes_lr_long --noise=$(RESULTS)/noise.json
+	$(call SIZE_FIT,$(RESULTS)/sizes/l_lr_long) --out=$(RESULTS)/fit_sizes_lr_long
 
 # Fresh seeds of size l at lr 1e-4 under one window start: fit_sizes_lr_long_start/ fits the runs above
 # from START_SAMPLES (s's default start; a rule chosen after seeing them, so a sensitivity check), and
@@ -187,16 +181,13 @@ results-sizes-lr-long: venv
 # metrics line) freezes what seeds 2 and 3, from l's warm start to LONG_SAMPLES, will show under that rule.
 # ~260 min two at a time: stop at any point, rerun to resume; then scored into sizes_lr_confirmation.md.
 results-sizes-lr-confirm: venv
-	test -f $(RESULTS)/fit_sizes_lr_long_start/fit.json || $(BIN)/python launch/fit.py $(RESULTS)/scalerl/seed0 \
-		$(RESULTS)/scalerl/seed1 $(RESULTS)/sizes/m $(RESULTS)/sizes/l_lr_long --start-samples=$(START_SAMPLES) \
-		--out=$(RESULTS)/fit_sizes_lr_long_start --noise=$(RESULTS)/noise.json
+	test -f $(RESULTS)/fit_sizes_lr_long_start/fit.json || $(call SIZE_FIT,$(RESULTS)/sizes/l_lr_long) \
+		--start-samples=$(START_SAMPLES) --out=$(RESULTS)/fit_sizes_lr_long_start
 	test -f $(RESULTS)/preregistered_l_lr_fresh.json || $(BIN)/python launch/preregister.py freeze-ceiling \
 		--fit=$(RESULTS)/fit_sizes_lr_long_start/fit.json --recipe=scalerl+size=l+optim.lr=$(L_LR) \
 		--reference=scalerl --out=$(RESULTS)/preregistered_l_lr_fresh.json
-	JAX_PLATFORMS=cpu $(BIN)/python launch/sweep.py \
-		--config=configs/tiny.py:samples=$(LONG_SAMPLES),evals=$(call EVALS,$(LONG_SAMPLES)),size=l \
-		--jobs=2 --workdir=$(RESULTS)/sizes/l_lr_confirm --recipes=scalerl+size=l+optim.lr=$(L_LR) --seeds=2 \
-		--first_seed=2 --init_checkpoint=$(RESULTS)/sizes/l/warmstart/warmstart/params
+	$(call L_SWEEP,$(LONG_SAMPLES)) --workdir=$(RESULTS)/sizes/l_lr_confirm \
+		--recipes=scalerl+size=l+optim.lr=$(L_LR) --first_seed=2
 	$(BIN)/python launch/preregister.py score-ceiling --prereg=$(RESULTS)/preregistered_l_lr_fresh.json \
 		--runs=$(RESULTS)/sizes/l_lr_confirm --noise=$(RESULTS)/noise.json --out=$(RESULTS)/sizes_lr_confirmation.md
 

@@ -303,26 +303,26 @@ def _jitter(results, run_dir):
 
 
 LONG_CHECKS = (  # size l's runs continued out of sample: (pre-registration, scored extension, size-table fit,
-    # the continued runs, what they are, their make target)
-    ("preregistered_l_long.json", "extension_l", "fit_sizes_long", "sizes/l_long/scalerl+size=l",
-     "Size l", "results-sizes-long"),
-    ("preregistered_l_lr_long.json", "extension_l_lr", "fit_sizes_lr_long", "sizes/l_lr_long/scalerl+size=l+optim.lr=0.0001",
-     "Size l at lr 1e-4", "results-sizes-lr-long"),
+    # the sweep directory of the continued runs, what they are, their make target)
+    ("preregistered_l_long.json", "extension_l", "fit_sizes_long", "sizes/l_long", "Size l", "results-sizes-long"),
+    ("preregistered_l_lr_long.json", "extension_l_lr", "fit_sizes_lr_long", "sizes/l_lr_long", "Size l at lr 1e-4",
+     "results-sizes-lr-long"),
 )
 
 
-def size_long_section(results, prereg, extension, fit_dir, long_dir, what, target):
+def size_long_section(results, prereg, extension, fit_dir, sweep_dir, what, target):
     """Size l's runs continued to 2x their budget: the predictions frozen from the shorter runs against
     what the continuation showed, and the default-window fit over the whole longer runs."""
     pre = _load(results, prereg)
     if pre is None:
         return []
     (name, rec), = pre["recipes"].items()
+    long_dir = f"{sweep_dir}/{name}"
     source = os.path.relpath(pre["source"], os.path.relpath(results, ROOT))
     said = (f"{what} out of sample (`{prereg}`, frozen before the continuation; `{extension}.md`): `{name}`'s seeds "
             f"{', '.join(rec['seeds'])} as first run (`{source}`), fitted by both shapes to predict their pass rate at "
             f"{' and '.join(f'{m:g}x' for m in pre['multiples'])} that compute; the same runs then continued from their "
-            f"last checkpoints (`{os.path.dirname(long_dir)}`, one curve each, `make {target}`).")
+            f"last checkpoints (`{sweep_dir}`, one curve each, `make {target}`).")
     done = _load(results, f"{extension}.json")
     if done is None or not any(t["mean_scored"] for t in done["coverage"].values()):
         return ["", said + " Not run to the predicted compute yet."]
