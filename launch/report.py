@@ -270,26 +270,35 @@ def sizes_section(results):
     unmeasured = _unmeasured(recs)
     if unmeasured:
         lines.append(f"- Still not identifiable: {', '.join(unmeasured)} ({_reasons(unmeasured)}).")
-    return lines + _size_pairs(recs) + _size_confirmation(results)
+    return lines + _size_pairs(recs) + size_confirmation(results, *CEILING_CHECKS[0])
 
 
-def _size_confirmation(results):
-    """The pre-registered check of the same-start fit on fresh seeds: frozen, and scored once run."""
-    pre = _load(results, "preregistered_sizes.json")
+CEILING_CHECKS = (  # fresh seeds of size l fitted from s's window start: (pre-registration, scored file, make target,
+    # what running it costs)
+    ("preregistered_sizes.json", "sizes_confirmation", "results-sizes-confirm", "2 seeds, ~2 h on 2 cores"),
+    ("preregistered_l_lr_fresh.json", "sizes_lr_confirmation", "results-sizes-lr-confirm",
+     "2 seeds to 3,072k samples, ~260 min on 2 cores, resumable"),
+)
+
+
+def size_confirmation(results, prereg, scored, target, cost):
+    """A pre-registered check of the same-start fit on fresh seeds: frozen, and scored once run."""
+    pre = _load(results, prereg)
     if pre is None:
         return []
     seeds = ", ".join(pre["fitted"]["seeds"])
-    said = (f"- Pre-registered (`preregistered_sizes.json`, frozen before the runs that test it): fresh seeds of "
-            f"{pre['recipe']} (not {seeds}) under this window will show an identifiable ceiling in "
-            f"[{pre['band'][0]:.3f}, {pre['band'][1]:.3f}] whose interval reaches down to {pre['reference']['recipe']}'s "
-            f"upper end {pre['reference']['ci'][1]:.3f} or below.")
-    done = _load(results, "sizes_confirmation.json")
+    said = (f"- Pre-registered (`{prereg}`, frozen before the runs that test it): fresh seeds of "
+            f"{pre['recipe']} (not {seeds}), fitted from {_k(pre['start_samples'])} samples, will show an identifiable "
+            f"ceiling in [{pre['band'][0]:.3f}, {pre['band'][1]:.3f}] whose interval reaches down to "
+            f"{pre['reference']['recipe']}'s upper end {pre['reference']['ci'][1]:.3f} or below.")
+    done = _load(results, f"{scored}.json")
     if done is None:
-        return [said + " Not run yet: `make results-sizes-confirm` (2 seeds, ~2 h on 2 cores)."]
+        return [said + f" Not run yet: `make {target}` ({cost})."]
     held = done["held"]
     a = f"A {done['A']:.3f}" if done["A"] is not None else f"A >= {done['A_lower_bound']:.3f}"
-    return [said + f" Scored in `sizes_confirmation.md`: {sum(held.values())} of {len(held)} claims held "
-            f"({a} [{done['ci'][0]:.3f}, {done['ci'][1]:.3f}]; "
+    return [said + f" Scored in `{scored}.md`: {sum(held.values())} of {len(held)} claims held "
+            f"({a} [{done['ci'][0]:.3f}, {done['ci'][1]:.3f}]"
+            + (f"; flags {', '.join(done['flags'])}" if done["flags"] else "") + "; "
             + ", ".join(f"{k} {'held' if v else 'failed'}" for k, v in held.items()) + ")."]
 
 
@@ -462,7 +471,8 @@ def report(results):
     lines += gain_section(results, fit)
     lines += noise_section(fit)
     lines += ["", *extension_section(results), "", *sizes_section(results), *size_long_section(results, *LONG_CHECKS[0]),
-              *size_lr_section(results), *size_long_section(results, *LONG_CHECKS[1]), ""]
+              *size_lr_section(results), *size_long_section(results, *LONG_CHECKS[1]),
+              "", *size_confirmation(results, *CEILING_CHECKS[1]), ""]
     for name, ref, caption in ABLATIONS:
         lines += ablation_section(results, name, ref, caption)
     lines += [END]

@@ -16,3 +16,24 @@ def test_readme_law_block_matches_the_shipped_results():
     begin, end = "<!-- law-report -->", "<!-- /law-report -->"
     block = readme[readme.index(begin):readme.index(end) + len(end)]
     assert block.strip() == out.stdout.strip(), "README is stale: run `make report`"
+
+
+def test_a_scored_ceiling_check_reports_its_claims_from_the_scored_file(tmp_path):
+    """size_confirmation reads the pre-registration as frozen and, once scored, counts the claims the scored file
+    says held (a made-up scored file, not shipped data): here 1 of 3, with the ceiling a lower bound."""
+    import json
+    import shutil
+
+    from launch import report
+
+    results = os.path.join(ROOT, "notebooks", "results")
+    shutil.copy(os.path.join(results, "preregistered_l_lr_fresh.json"), tmp_path)
+    check = ("preregistered_l_lr_fresh.json", "scored_fake", "results-x", "cost")
+    (line,) = report.size_confirmation(str(tmp_path), *check)
+    assert "[0.581, 0.640]" in line and "fitted from 72k samples" in line and "Not run yet: `make results-x`" in line
+    scored = {"held": {"identifiable": False, "ceiling_in_band": True, "not_above_reference": False},
+              "A": None, "A_lower_bound": 0.6012, "ci": [0.6012, 1.0], "flags": ["still_rising"]}
+    (tmp_path / "scored_fake.json").write_text(json.dumps(scored))
+    (line,) = report.size_confirmation(str(tmp_path), *check)
+    assert "1 of 3 claims held (A >= 0.601 [0.601, 1.000]; flags still_rising; identifiable failed, " \
+           "ceiling_in_band held, not_above_reference failed)" in line
