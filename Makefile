@@ -191,6 +191,28 @@ results-sizes-lr-confirm: venv
 	$(BIN)/python launch/preregister.py score-ceiling --prereg=$(RESULTS)/preregistered_l_lr_fresh.json \
 		--runs=$(RESULTS)/sizes/l_lr_confirm --noise=$(RESULTS)/noise.json --out=$(RESULTS)/sizes_lr_confirmation.md
 
+# Policy size at one learning rate: s and m at L_LR as l ran in results-sizes-lr-long, 2 seeds each from
+# their own warm starts to LONG_SAMPLES. preregistered_sizes_lr.json (launch/preregister.py freeze-plateau,
+# committed before these runs) holds l's plateaus at L_LR and the t-test that decides, per pair of sizes,
+# whether the larger policy's plateau is above; scored into sizes_one_lr.md. fit_sizes_one_lr/ fits the
+# three sizes from START_SAMPLES (descriptive, not a frozen claim). Estimated per run, two at a time on a
+# quiet machine: s ~18 min, m ~80 min (~100 min in all); resumable like every sweep.
+ONE_LR = --jobs=2 --seeds=2 --workdir=$(RESULTS)/sizes/sm_lr
+results-sizes-one-lr: venv
+	test -f $(RESULTS)/preregistered_sizes_lr.json || $(BIN)/python launch/preregister.py freeze-plateau \
+		--reference-runs=$(RESULTS)/sizes/l_lr_long --sizes=s:scalerl+optim.lr=$(L_LR),m:scalerl+size=m+optim.lr=$(L_LR) \
+		--samples=$(LONG_SAMPLES) --out=$(RESULTS)/preregistered_sizes_lr.json
+	JAX_PLATFORMS=cpu $(BIN)/python launch/sweep.py $(ONE_LR) --name=s --recipes=scalerl+optim.lr=$(L_LR) \
+		--config=configs/tiny.py:samples=$(LONG_SAMPLES),evals=$(call EVALS,$(LONG_SAMPLES)) \
+		--init_checkpoint=$(RESULTS)/warmstart/warmstart/params
+	JAX_PLATFORMS=cpu $(BIN)/python launch/sweep.py $(ONE_LR) --name=m --recipes=scalerl+size=m+optim.lr=$(L_LR) \
+		--config=configs/tiny.py:samples=$(LONG_SAMPLES),evals=$(call EVALS,$(LONG_SAMPLES)),size=m \
+		--init_checkpoint=$(RESULTS)/sizes/m/warmstart/warmstart/params
+	$(BIN)/python launch/preregister.py score-plateau --prereg=$(RESULTS)/preregistered_sizes_lr.json \
+		--runs=$(RESULTS)/sizes/sm_lr --out=$(RESULTS)/sizes_one_lr.md
+	$(BIN)/python launch/fit.py $(RESULTS)/sizes/sm_lr $(RESULTS)/sizes/l_lr_long --noise=$(RESULTS)/noise.json \
+		--start-samples=$(START_SAMPLES) --out=$(RESULTS)/fit_sizes_one_lr
+
 # README's "The law on the tiny task" numbers, regenerated from the shipped results (no refit).
 report: venv
 	$(BIN)/python launch/report.py --write-readme
@@ -204,4 +226,4 @@ bench-peers: $(BIN)/.installed-test
 	bash ../shared/peers/setup.sh
 	JAX_PLATFORMS=cpu $(BIN)/python launch/bench_tunix.py --rounds=5
 
-.PHONY: venv lint run test test-slow test-aot results results-extension results-sizes results-sizes-confirm results-sizes-long results-sizes-lr results-sizes-lr-long results-sizes-lr-confirm report bench bench-peers
+.PHONY: venv lint run test test-slow test-aot results results-extension results-sizes results-sizes-confirm results-sizes-long results-sizes-lr results-sizes-lr-long results-sizes-lr-confirm results-sizes-one-lr report bench bench-peers

@@ -15,6 +15,11 @@
     python launch/preregister.py score-stability --prereg=notebooks/results/preregistered_l_lr.json \\
         --runs=notebooks/results/sizes/l_lr --noise=notebooks/results/noise.json \\
         --out=notebooks/results/sizes_lr.md
+    python launch/preregister.py freeze-plateau --reference-runs=notebooks/results/sizes/l_lr_long \\
+        --sizes=s:scalerl+optim.lr=0.0001,m:scalerl+size=m+optim.lr=0.0001 --samples=3072000 \\
+        --out=notebooks/results/preregistered_sizes_lr.json
+    python launch/preregister.py score-plateau --prereg=notebooks/results/preregistered_sizes_lr.json \\
+        --runs=notebooks/results/sizes/sm_lr --out=notebooks/results/sizes_one_lr.md
 
 `freeze` fits each recipe's shipped seeds (metrics.jsonl) with both shapes (scaling/shapes.py) and
 writes, per recipe, the predicted pass rate with 95% prediction intervals at each multiple of the
@@ -26,6 +31,8 @@ above a reference's), and `score-ceiling` fits the fresh seeds the same way and 
 `freeze-stability` freezes what a changed recipe will do to a plateau that wanders (each seed's
 second-half spread, diagnostics.plateau_jitter, below a bound; an identifiable ceiling under the default
 window; no ceiling separable from a reference's), and `score-stability` measures and fits the new seeds.
+`freeze-plateau` freezes a size test at one learning rate (the largest size's plateaus as they ran and
+the t-test that will compare them with the smaller sizes' once those have run), `score-plateau` decides it.
 `score` reads the extension runs and compares each seed's eval at those computes (linear in
 ln C between the two evals around it) and the seed mean with the frozen intervals, per shape.
 """
@@ -39,8 +46,9 @@ import os
 import subprocess
 
 import numpy as np
+from scipy import stats
 
-from rl_scaling.scaling import api, diagnostics, io, shapes
+from rl_scaling.scaling import api, diagnostics, io, noise, shapes
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -302,6 +310,88 @@ def score_stability(args):
     return held
 
 
+def _plateaus(runs):
+    """{seed: mean held-out pass rate over the last quarter of the run's compute} (scaling/noise.plateau)."""
+    return {r.seed: noise.plateau(r) for r in runs}
+
+
+def _at_budget(run, samples):
+    """Whether a run's last logged sample count is its planned budget (within 1%)."""
+    done = _samples(run)
+    return done is not None and abs(done - samples) <= 0.01 * samples
+
+
+def _size_test(mean_hi, mean_lo, n_hi, n_lo, sd, df):
+    """One-sided t-test that the larger size's seed-mean plateau is above the smaller's, with the
+    within-size sd pooled over every size: (difference, the margin it must exceed at 5%)."""
+    return mean_hi - mean_lo, float(stats.t.ppf(0.95, df)) * sd * np.sqrt(1.0 / n_hi + 1.0 / n_lo)
+
+
+def freeze_plateau(args):
+    """Freeze a size test at one learning rate: the plateaus of the largest size's seeds as they ran
+    (--reference-runs), and the rule that will decide, once the smaller sizes have run at the same rate
+    and budget, whether a larger policy's plateau is above a smaller one's."""
+    groups = io.group_runs(io.load_inputs([args.reference_runs], "flops"))
+    if len(groups) != 1:
+        raise SystemExit(f"{args.reference_runs}: expected the seeds of one recipe, found {sorted(groups) or 'none'}")
+    (label, runs), = groups.items()
+    short = [r.seed for r in runs if not _at_budget(r, args.samples)]
+    if short:
+        raise SystemExit(f"{args.reference_runs}: seeds {short} did not run to {args.samples:,} samples")
+    sizes = dict(kv.split(":", 1) for kv in args.sizes.split(","))  # size -> recipe label
+    out = {"created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+           "code_commit": _git_head(), "samples": args.samples, "tail": 0.25,
+           "reference": {"size": args.reference_size, "recipe": label,
+                         "runs": os.path.relpath(args.reference_runs, ROOT), "plateaus": _plateaus(runs)},
+           "sizes": sizes,
+           "rule": "per size, each seed's plateau is its mean held-out pass rate over the last quarter of its compute, "
+                   f"every run at {args.samples:,} samples; a larger size is above a smaller one when the difference of "
+                   "their seed-mean plateaus exceeds t(0.95, df) x sd x sqrt(1/n1 + 1/n2), sd the within-size sd of "
+                   "the plateaus pooled over all sizes (df their seeds minus the number of sizes)"}
+    order = [*sizes, args.reference_size]
+    out["claims"] = {f"{hi}_above_{lo}": f"size {hi}'s plateau is above size {lo}'s at this learning rate"
+                     for i, lo in enumerate(order) for hi in order[i + 1:]}
+    with open(args.out, "w") as f:
+        json.dump(out, f, indent=1)
+    print(f"{label}: plateaus {out['reference']['plateaus']}; claims {list(out['claims'])}\nwrote {args.out}")
+
+
+def score_plateau(args):
+    """Measure each size's plateaus (the smaller sizes' runs in --runs) and decide each frozen claim by the
+    frozen rule. Writes OUT (.md and .json)."""
+    pre = json.loads(open(args.prereg).read())
+    groups = io.group_runs(io.load_inputs([args.runs], "flops"))
+    plateaus = {}
+    for size, label in pre["sizes"].items():
+        runs = groups.get(label, [])
+        short = [r.seed for r in runs if not _at_budget(r, pre["samples"])]
+        if len(runs) < 2 or short:
+            raise SystemExit(f"{args.runs}: {label} needs 2 or more seeds run to {pre['samples']:,} samples; "
+                             f"found seeds {[r.seed for r in runs]}, not at that budget: {short}")
+        plateaus[size] = _plateaus(runs)
+    plateaus[pre["reference"]["size"]] = pre["reference"]["plateaus"]
+    v = {z: np.array(list(p.values())) for z, p in plateaus.items()}
+    df = sum(x.size - 1 for x in v.values())
+    sd = float(np.sqrt(sum(((x - x.mean()) ** 2).sum() for x in v.values()) / df))
+    held, observed = {}, {}
+    for claim in pre["claims"]:
+        hi, lo = claim.split("_above_")
+        diff, margin = _size_test(v[hi].mean(), v[lo].mean(), v[hi].size, v[lo].size, sd, df)
+        held[claim] = bool(diff > margin)
+        observed[claim] = f"{v[hi].mean():.3f} - {v[lo].mean():.3f} = {diff:+.3f} (needs > {margin:.3f})"
+    lines = [f"# Pre-registered: policy size at one learning rate, {pre['samples']:,} samples per run", "",
+             f"Frozen in `{os.path.relpath(args.prereg, ROOT)}` (created {pre['created']}, commit "
+             f"{str(pre['code_commit'])[:9]}). Rule: {pre['rule']}.", "",
+             "| size | recipe | plateau per seed | seed mean |", "|---|---|---|---|"]
+    labels = {**pre["sizes"], pre["reference"]["size"]: pre["reference"]["recipe"]}
+    lines += [f"| {z} | {labels[z]} | " + ", ".join(f"seed {k} {x:.3f}" for k, x in p.items()) + f" | {v[z].mean():.3f} |"
+              for z, p in plateaus.items()]
+    lines += ["", f"Pooled within-size sd {sd:.4f} ({df} df).", "", "| claim | frozen | observed | held |",
+              "|---|---|---|---|"]
+    _write_claims(args, lines, pre["claims"], observed, held, {"plateaus": plateaus, "sd": sd, "df": df})
+    return held
+
+
 def _samples(run):
     """Generated samples at a run's last metrics line (from its metrics.jsonl), or None."""
     if not run.source.endswith("metrics.jsonl"):
@@ -323,11 +413,12 @@ def main(argv=None):
     f.add_argument("--multiples", default="2,3,4")
     f.add_argument("--seed", type=int, default=ROOT_SEED)
     f.add_argument("--out", required=True)
-    for name, noise in (("score", False), ("score-ceiling", True), ("score-stability", True)):
+    for name, needs_noise in (("score", False), ("score-ceiling", True), ("score-stability", True),
+                              ("score-plateau", False)):
         sc = sub.add_parser(name)  # every scorer: the frozen file, the runs that test it, where to write
         sc.add_argument("--prereg", required=True)
         sc.add_argument("--runs", required=True)
-        if noise:
+        if needs_noise:
             sc.add_argument("--noise", default="", help="noise.json, as the frozen fit used")
         sc.add_argument("--out", default="")
     fc = sub.add_parser("freeze-ceiling")
@@ -343,9 +434,16 @@ def main(argv=None):
     fs.add_argument("--reference", default="scalerl")
     fs.add_argument("--spread-below", type=float, required=True)
     fs.add_argument("--out", required=True)
+    fp = sub.add_parser("freeze-plateau")
+    fp.add_argument("--reference-runs", required=True, help="the largest size's seeds at the learning rate under test")
+    fp.add_argument("--reference-size", default="l")
+    fp.add_argument("--sizes", required=True, help="the smaller sizes to run, size:recipe,... smallest first")
+    fp.add_argument("--samples", type=int, required=True, help="every run's budget, the reference's included")
+    fp.add_argument("--out", required=True)
     args = ap.parse_args(argv)
     return {"freeze": freeze, "score": score, "freeze-ceiling": freeze_ceiling, "score-ceiling": score_ceiling,
-            "freeze-stability": freeze_stability, "score-stability": score_stability}[args.cmd](args)
+            "freeze-stability": freeze_stability, "score-stability": score_stability,
+            "freeze-plateau": freeze_plateau, "score-plateau": score_plateau}[args.cmd](args)
 
 
 if __name__ == "__main__":

@@ -130,3 +130,40 @@ def test_score_stability_needs_two_seeds_of_the_frozen_recipe(stability):
     base, _ = stability
     with pytest.raises(SystemExit, match="needs 2 or more seeds"):
         prereg.main(["score-stability", f"--prereg={base / 'pre.json'}", f"--runs={base / 'base'}"])
+
+
+def test_the_size_test_at_one_learning_rate_decides_each_pair_by_the_frozen_rule(tmp_path):
+    """freeze-plateau / score-plateau on synthetic runs (test fixtures): every seed pair +-0.01 about its size's
+    curve, so the pooled within-size sd is 0.01 x sqrt 2 with 3 df and each pair needs a seed-mean difference
+    above t(0.95, 3) x 0.01 x sqrt 2 = 0.0333. l's curve sits well above s's and m's, m's just above s's."""
+    budget = 2000 * 256  # write_workdir's last step logs 512,000 samples
+    for size, A in (("small", 0.5), ("mid", 0.52), ("big", 0.6)):
+        for k, off in enumerate((-0.01, 0.01)):
+            where = "ref" if size == "big" else "new"
+            write_workdir(tmp_path / where / f"{size}+lr" / f"seed{k}", A=A, seed_offset=off,
+                          config={"recipe": f"{size}+lr", "seed": k})
+    pre_path = tmp_path / "pre.json"
+    prereg.main(["freeze-plateau", f"--reference-runs={tmp_path / 'ref'}", "--sizes=s:small+lr,m:mid+lr",
+                 f"--samples={budget}", f"--out={pre_path}"])
+    pre = json.loads(pre_path.read_text())
+    assert list(pre["claims"]) == ["m_above_s", "l_above_s", "l_above_m"]
+    held = prereg.main(["score-plateau", f"--prereg={pre_path}", f"--runs={tmp_path / 'new'}",
+                        f"--out={tmp_path / 'p.md'}"])
+    assert held == {"m_above_s": False, "l_above_s": True, "l_above_m": True}
+    out = json.loads((tmp_path / "p.json").read_text())
+    assert out["sd"] == pytest.approx(0.01 * 2 ** 0.5) and out["df"] == 3
+    assert out["plateaus"]["l"]["1"] - out["plateaus"]["l"]["0"] == pytest.approx(0.02)
+    assert "needs > 0.033" in (tmp_path / "p.md").read_text()
+
+
+def test_the_size_test_refuses_runs_short_of_the_frozen_budget(tmp_path):
+    for k in (0, 1):
+        write_workdir(tmp_path / "ref" / "big" / f"seed{k}", config={"recipe": "big", "seed": k})
+        write_workdir(tmp_path / "new" / "small" / f"seed{k}", steps=range(0, 1001, 50), config={"recipe": "small", "seed": k})
+    with pytest.raises(SystemExit, match="did not run to 1,024,000 samples"):
+        prereg.main(["freeze-plateau", f"--reference-runs={tmp_path / 'ref'}", "--sizes=s:small", "--samples=1024000",
+                     f"--out={tmp_path / 'pre.json'}"])
+    prereg.main(["freeze-plateau", f"--reference-runs={tmp_path / 'ref'}", "--sizes=s:small", "--samples=512000",
+                 f"--out={tmp_path / 'pre.json'}"])
+    with pytest.raises(SystemExit, match=r"not at that budget: \['0', '1'\]"):
+        prereg.main(["score-plateau", f"--prereg={tmp_path / 'pre.json'}", f"--runs={tmp_path / 'new'}"])
