@@ -405,6 +405,42 @@ def size_lr_section(results):
     return lines + _size_pairs(recs)
 
 
+def size_one_lr_section(results):
+    """Policy size at one learning rate: the frozen test of the sizes' plateaus at lr 1e-4, scored once
+    s and m have run, and the three sizes fitted from one window start."""
+    pre = _load(results, "preregistered_sizes_lr.json")
+    if pre is None:
+        return []
+    ref = pre["reference"]
+    said = (f"Policy size at one learning rate (`preregistered_sizes_lr.json`, frozen before s and m ran at it; "
+            f"`sizes_one_lr.md`, `make results-sizes-one-lr`): s and m at l's rate 1e-4, 2 seeds each from their "
+            f"warm starts to {_k(pre['samples'])} samples, against l's plateaus there ("
+            + ", ".join(f"{v:.3f}" for v in ref["plateaus"].values()) + f", `{ref['runs']}`). Rule: {pre['rule']}.")
+    done = _load(results, "sizes_one_lr.json")
+    if done is None:
+        return ["", said + " Not run yet (~100 min on 2 cores, resumable)."]
+    lines = ["", said, "", "| size | plateau per seed | seed mean |", "|---|---|---|"]
+    lines += [f"| {z} | " + ", ".join(f"{x:.3f}" for x in p.values()) + f" | {np.mean(list(p.values())):.3f} |"
+              for z, p in sorted(done["plateaus"].items(), key=lambda kv: "sml".index(kv[0]))]
+    lines += ["", f"Pooled within-size sd {done['sd']:.4f} ({done['df']} df); "
+              + "; ".join(f"{k.replace('_above_', ' above ')}: {'held' if v else 'not shown'}" for k, v in done["held"].items())
+              + f" ({sum(done['held'].values())} of {len(done['held'])} claims held)."]
+    fit = _load(results, "fit_sizes_one_lr/fit.json")
+    if fit is None:
+        return lines
+    labels = {label: z for z, label in pre["sizes"].items()} | {ref["recipe"]: ref["size"]}
+    recs = _size_recs(fit, labels)
+    lines += ["", "The three sizes at lr 1e-4 fitted from one window start (`fit_sizes_one_lr/`, "
+              f"{_k(fit['recipes'][ref['recipe']]['window']['start_samples'])} samples; descriptive, not a frozen "
+              "claim):", ""]
+    runs = {z: f"sizes/sm_lr/{label}" for z, label in pre["sizes"].items()} | {ref["size"]: f"sizes/l_lr_long/{ref['recipe']}"}
+    lines += _size_table(results, recs, runs)
+    unmeasured = _unmeasured(recs)
+    if unmeasured:
+        lines.append(f"- Ceiling not measured: {', '.join(unmeasured)} ({_reasons(unmeasured)}).")
+    return lines + _size_pairs(recs)
+
+
 ABLATIONS = (  # (comparison name, reference label, caption)
     ("loo", "scalerl", "Leave-one-out (`comparison_loo.md`, 2 seeds each; ScaleRL's seeds 0 and 1 are the reference)"),
     ("batch", "scalerl", "Batch size (`comparison_batch.md`, prompts per update at the same budget, 2 seeds each)"),
@@ -472,7 +508,8 @@ def report(results):
     lines += noise_section(fit)
     lines += ["", *extension_section(results), "", *sizes_section(results), *size_long_section(results, *LONG_CHECKS[0]),
               *size_lr_section(results), *size_long_section(results, *LONG_CHECKS[1]),
-              "", *size_confirmation(results, *CEILING_CHECKS[1]), ""]
+              "", *size_confirmation(results, *CEILING_CHECKS[1]),
+              *size_one_lr_section(results), ""]
     for name, ref, caption in ABLATIONS:
         lines += ablation_section(results, name, ref, caption)
     lines += [END]

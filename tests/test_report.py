@@ -37,3 +37,24 @@ def test_a_scored_ceiling_check_reports_its_claims_from_the_scored_file(tmp_path
     (line,) = report.size_confirmation(str(tmp_path), *check)
     assert "1 of 3 claims held (A >= 0.601 [0.601, 1.000]; flags still_rising; identifiable failed, " \
            "ceiling_in_band held, not_above_reference failed)" in line
+
+
+def test_the_size_test_at_one_learning_rate_reports_each_pair_from_the_scored_file(tmp_path):
+    """size_one_lr_section states the frozen rule before the runs and, once scored (a made-up scored file, not
+    shipped data), each size's plateaus, seed means and which pairs held."""
+    import json
+    import shutil
+
+    from launch import report
+
+    shutil.copy(os.path.join(ROOT, "notebooks", "results", "preregistered_sizes_lr.json"), tmp_path)
+    lines = report.size_one_lr_section(str(tmp_path))
+    assert "against l's plateaus there (0.606, 0.606" in lines[1] and lines[1].endswith("Not run yet (~100 min on 2 cores, resumable).")
+    scored = {"plateaus": {"s": {"0": 0.55, "1": 0.57}, "m": {"0": 0.58, "1": 0.6}, "l": {"0": 0.6064, "1": 0.6062}},
+              "sd": 0.0123, "df": 3, "held": {"m_above_s": False, "l_above_s": True, "l_above_m": False}}
+    (tmp_path / "sizes_one_lr.json").write_text(json.dumps(scored))
+    lines = report.size_one_lr_section(str(tmp_path))
+    assert lines[3:8] == ["| size | plateau per seed | seed mean |", "|---|---|---|", "| s | 0.550, 0.570 | 0.560 |",
+                          "| m | 0.580, 0.600 | 0.590 |", "| l | 0.606, 0.606 | 0.606 |"]
+    assert lines[-1] == ("Pooled within-size sd 0.0123 (3 df); m above s: not shown; l above s: held; l above m: not shown "
+                         "(1 of 3 claims held).")
