@@ -139,7 +139,7 @@ def _train(config, workdir, held, preempt):
         jax.block_until_ready(state["params"])
         counters["accel_seconds"] += max(time.time() - t0 - compile_clock.take(), 0.0) * n_devices
         if pending is not None:
-            writer.write(pending[0], {**jax.device_get(pending[1]), **pending[2]})
+            writer.write(*_drain(pending))
         pending = (step, step_metrics, {**_rollout_summary(ro), **counters})
 
         is_eval = step % config.eval_every == 0 or step == config.steps
