@@ -338,7 +338,10 @@ def freeze_plateau(args):
     short = [r.seed for r in runs if not _at_budget(r, args.samples)]
     if short:
         raise SystemExit(f"{args.reference_runs}: seeds {short} did not run to {args.samples:,} samples")
-    sizes = dict(kv.split(":", 1) for kv in args.sizes.split(","))  # size -> recipe label
+    pairs = [kv.split(":", 1) for kv in args.sizes.split(",")]
+    if any(len(kv) != 2 or not all(kv) for kv in pairs):
+        raise SystemExit(f"--sizes={args.sizes}: expected size:recipe pairs, e.g. s:scalerl+optim.lr=0.0001,m:...")
+    sizes = dict(pairs)  # size -> recipe label
     out = {"created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
            "code_commit": _git_head(), "samples": args.samples, "tail": 0.25,
            "reference": {"size": args.reference_size, "recipe": label,

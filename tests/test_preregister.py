@@ -160,6 +160,9 @@ def test_the_size_test_refuses_runs_short_of_the_frozen_budget(tmp_path):
     for k in (0, 1):
         write_workdir(tmp_path / "ref" / "big" / f"seed{k}", config={"recipe": "big", "seed": k})
         write_workdir(tmp_path / "new" / "small" / f"seed{k}", steps=range(0, 1001, 50), config={"recipe": "small", "seed": k})
+    with pytest.raises(SystemExit, match="expected size:recipe pairs"):
+        prereg.main(["freeze-plateau", f"--reference-runs={tmp_path / 'ref'}", "--sizes=s", "--samples=512000",
+                     f"--out={tmp_path / 'pre.json'}"])
     with pytest.raises(SystemExit, match="did not run to 1,024,000 samples"):
         prereg.main(["freeze-plateau", f"--reference-runs={tmp_path / 'ref'}", "--sizes=s:small", "--samples=1024000",
                      f"--out={tmp_path / 'pre.json'}"])
