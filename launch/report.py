@@ -425,6 +425,12 @@ def size_one_lr_section(results):
     lines += ["", f"Pooled within-size sd {done['sd']:.4f} ({done['df']} df); "
               + "; ".join(f"{k.replace('_above_', ' above ')}: {'held' if v else 'not shown'}" for k, v in done["held"].items())
               + f" ({sum(done['held'].values())} of {len(done['held'])} claims held)."]
+    ref_dir = os.path.relpath(ref["runs"], os.path.relpath(results, ROOT))  # ref["runs"] is from the repository root
+    runs = {z: f"sizes/sm_lr/{label}" for z, label in pre["sizes"].items()} | {ref["size"]: f"{ref_dir}/{ref['recipe']}"}
+    spread = {z: _jitter(results, d) for z, d in runs.items()}
+    if all(spread.values()):
+        lines.append("- Second-half checkpoint-to-checkpoint spread per seed (as above), at lr 1e-4: "
+                     + "; ".join(f"{z} " + ", ".join(f"{j:.4f}" for j, _ in vs) for z, vs in spread.items()) + ".")
     fit = _load(results, "fit_sizes_one_lr/fit.json")
     if fit is None:
         return lines
@@ -433,7 +439,6 @@ def size_one_lr_section(results):
     lines += ["", "The three sizes at lr 1e-4 fitted from one window start (`fit_sizes_one_lr/`, "
               f"{_k(fit['recipes'][ref['recipe']]['window']['start_samples'])} samples; descriptive, not a frozen "
               "claim):", ""]
-    runs = {z: f"sizes/sm_lr/{label}" for z, label in pre["sizes"].items()} | {ref["size"]: f"sizes/l_lr_long/{ref['recipe']}"}
     lines += _size_table(results, recs, runs)
     unmeasured = _unmeasured(recs)
     if unmeasured:
