@@ -374,8 +374,7 @@ def score_plateau(args):
         plateaus[size] = _plateaus(runs)
     plateaus[pre["reference"]["size"]] = pre["reference"]["plateaus"]
     v = {z: np.array(list(p.values())) for z, p in plateaus.items()}
-    df = sum(x.size - 1 for x in v.values())
-    sd = float(np.sqrt(sum(((x - x.mean()) ** 2).sum() for x in v.values()) / df))
+    sd, df = noise.pooled_sd(v)
     held, observed = {}, {}
     for claim in pre["claims"]:
         hi, lo = claim.split("_above_")

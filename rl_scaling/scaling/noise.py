@@ -17,20 +17,25 @@ def plateau(run, tail=0.25):
     return float(y[c >= c.max() * (1 - tail)].mean())
 
 
+def pooled_sd(values):
+    """(sd, df): the within-group standard deviation pooled over the groups ({name: [values]}) with at
+    least two values (ddof 1 in each); sd None when none has."""
+    ss, df = 0.0, 0
+    for v in map(np.asarray, values.values()):
+        if v.size >= 2:
+            ss += float(((v - v.mean()) ** 2).sum())
+            df += v.size - 1
+    return (math.sqrt(ss / df) if df else None), df
+
+
 def seed_spread(groups, tail=0.25):
     """Pooled within-recipe standard deviation (ddof 1) of the seeds' plateaus, over the recipes
     ({name: [io.Run]}) with at least two seeds; sd None when none has."""
-    ss, df, per = 0.0, 0, {}
-    for name, runs in groups.items():
-        if len(runs) < 2:
-            continue
-        v = np.array([plateau(r, tail) for r in runs])
-        per[name] = {"plateaus": [float(x) for x in v], "sd": float(v.std(ddof=1))}
-        ss += float(((v - v.mean()) ** 2).sum())
-        df += v.size - 1
+    values = {name: [plateau(r, tail) for r in runs] for name, runs in groups.items() if len(runs) >= 2}
+    per = {name: {"plateaus": v, "sd": float(np.std(v, ddof=1))} for name, v in values.items()}
+    sd, df = pooled_sd(values)
     seeds = [len(r) for r in groups.values() if len(r) >= 2]
-    return {"sd": math.sqrt(ss / df) if df else None, "df": df, "tail": tail, "per_recipe": per,
-            "seeds_per_recipe": min(seeds) if seeds else None}
+    return {"sd": sd, "df": df, "tail": tail, "per_recipe": per, "seeds_per_recipe": min(seeds) if seeds else None}
 
 
 def margin_from_seeds(sd, n_seeds, z=1.96):
