@@ -197,15 +197,17 @@ def test_preregister_freeze_then_score(tmp_path):
 
 
 def test_nested_sweeps_are_skipped_unless_named(tmp_path):
-    for d in ("a/seed0", "ext/a/seed0"):
+    for d in ("a/seed0", "ext/a/seed0", "named/b/seed0"):
         (tmp_path / d).mkdir(parents=True)
         (tmp_path / d / "metrics.jsonl").write_text("".join(
             json.dumps({"step": i, "compute_flops": float(i), "eval/pass_rate": 0.1 + 0.01 * i}) + "\n"
             for i in range(6)))
     (tmp_path / "ext" / "sweep.json").write_text("{}")
+    (tmp_path / "named" / "sweep_b.json").write_text("{}")  # a sweep run only with --name=b
     runs = io.load_inputs([str(tmp_path)])
     assert [r.source for r in runs] == [str(tmp_path / "a" / "seed0" / "metrics.jsonl")]
     assert len(io.load_inputs([str(tmp_path / "ext")])) == 1
+    assert len(io.load_inputs([str(tmp_path / "named")])) == 1
 
 
 def test_csv_byte_order_mark_is_noted(tmp_path):

@@ -264,8 +264,14 @@ def _in_warmstart(found, root):
     return "warmstart" in rel.strip("/").split("/")[:-1]
 
 
+def _is_sweep(d):
+    """launch/sweep.py's record marks its directory: sweep.json, or sweep_NAME.json for a sweep run
+    only with --name (notebooks/results/sizes/sm_lr)."""
+    return files.isfile(files.join(d, "sweep.json")) or bool(files.glob(files.join(d, "sweep_*.json")))
+
+
 def _nested_sweeps(found, root):
-    """Directories strictly below the searched root that hold a sweep.json: another sweep's runs (a
+    """Directories strictly below the searched root that hold a sweep record: another sweep's runs (a
     study nested in a results folder, like notebooks/results/extension), fitted only when named."""
     dirs = {files.dirname(f) for f in found}
     out = set()
@@ -274,7 +280,7 @@ def _nested_sweeps(found, root):
         parts = [p for p in rel.split("/") if p not in ("", ".")]
         for k in range(1, len(parts)):
             sub = files.join(root, *parts[:k])
-            if sub not in out and files.isfile(files.join(sub, "sweep.json")):
+            if sub not in out and _is_sweep(sub):
                 out.add(sub)
     return out
 
