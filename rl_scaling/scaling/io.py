@@ -5,7 +5,7 @@ Seeds of one configuration share a recipe name: `config.json` {"recipe": ..., "s
 the workdir; otherwise a workdir named like 'seed3' takes its parent directory's name as the recipe
 (results/<recipe>/seed<k>/metrics.jsonl), and any other workdir is its own recipe.
 A directory searched recursively skips a `warmstart` below it and any directory below it holding its own
-`sweep.json` (a nested study); name those explicitly to fit them.
+`sweep.json` or `sweep_NAME.json` (a nested study); name those explicitly to fit them.
 Every error names the file, and the line and column where there is one.
 """
 
