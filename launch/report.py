@@ -293,7 +293,7 @@ def size_confirmation(results, prereg, scored, target, cost):
             f"{pre['reference']['recipe']}'s upper end {pre['reference']['ci'][1]:.3f} or below.")
     done = _load(results, f"{scored}.json")
     if done is None:
-        return [said + f" Not run yet: `make {target}` ({cost})."]
+        return [said + f" Not scored yet: `make {target}` ({cost})."]
     held = done["held"]
     a = f"A {done['A']:.3f}" if done["A"] is not None else f"A >= {done['A_lower_bound']:.3f}"
     return [said + f" Scored in `{scored}.md`: {sum(held.values())} of {len(held)} claims held "

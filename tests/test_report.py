@@ -30,7 +30,7 @@ def test_a_scored_ceiling_check_reports_its_claims_from_the_scored_file(tmp_path
     shutil.copy(os.path.join(results, "preregistered_l_lr_fresh.json"), tmp_path)
     check = ("preregistered_l_lr_fresh.json", "scored_fake", "results-x", "cost")
     (line,) = report.size_confirmation(str(tmp_path), *check)
-    assert "[0.581, 0.640]" in line and "fitted from 72k samples" in line and "Not run yet: `make results-x`" in line
+    assert "[0.581, 0.640]" in line and "fitted from 72k samples" in line and "Not scored yet: `make results-x`" in line
     scored = {"held": {"identifiable": False, "ceiling_in_band": True, "not_above_reference": False},
               "A": None, "A_lower_bound": 0.6012, "ci": [0.6012, 1.0], "flags": ["still_rising"]}
     (tmp_path / "scored_fake.json").write_text(json.dumps(scored))
