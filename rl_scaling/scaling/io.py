@@ -273,16 +273,12 @@ def _is_sweep(d):
 def _nested_sweeps(found, root):
     """Directories strictly below the searched root that hold a sweep record: another sweep's runs (a
     study nested in a results folder, like notebooks/results/extension), fitted only when named."""
-    dirs = {files.dirname(f) for f in found}
-    out = set()
-    for d in dirs:
+    below = set()  # every directory between the root and a run, each looked at once (a listing on gs://)
+    for d in {files.dirname(f) for f in found}:
         rel = os.path.relpath(str(d), str(root)) if "://" not in str(root) else str(d)[len(str(root)):].strip("/")
         parts = [p for p in rel.split("/") if p not in ("", ".")]
-        for k in range(1, len(parts)):
-            sub = files.join(root, *parts[:k])
-            if sub not in out and _is_sweep(sub):
-                out.add(sub)
-    return out
+        below.update(files.join(root, *parts[:k]) for k in range(1, len(parts)))
+    return {sub for sub in below if _is_sweep(sub)}
 
 
 def _outside(f, nested):
