@@ -230,7 +230,7 @@ def score_ceiling(args):
              f"`{os.path.relpath(args.runs, ROOT)}`, fitted the same way.", "",
              "| claim | frozen | observed | held |", "|---|---|---|---|"]
     _write_claims(args, lines, pre["claims"], observed, held,
-                  {"A": s["A"], "A_lower_bound": s["A_lower_bound"], "ci": [lo, hi], "flags": [f["code"] for f in s["flags"]]})
+                  {"A": s["A"], "A_lower_bound": s["A_lower_bound"], "ci": [lo, hi], "flags": list(dict.fromkeys(f["code"] for f in s["flags"]))})
     return held
 
 
@@ -306,7 +306,7 @@ def score_stability(args):
     _write_claims(args, lines, pre["claims"], observed, held,
                   {"spread": {k: v[0] for k, v in jit.items()}, "keep_frac": {k: v[1] for k, v in jit.items()},
                    "A": s["A"], "A_lower_bound": s["A_lower_bound"], "ci": [lo, hi], "B": s["B"], "C_mid": s["C_mid"],
-                   "flags": [f["code"] for f in s["flags"]]})
+                   "flags": list(dict.fromkeys(f["code"] for f in s["flags"]))})
     return held
 
 
