@@ -213,6 +213,21 @@ results-sizes-one-lr: venv
 	$(BIN)/python launch/fit.py $(RESULTS)/sizes/sm_lr $(RESULTS)/sizes/l_lr_long --noise=$(RESULTS)/noise.json \
 		--start-samples=$(START_SAMPLES) --out=$(RESULTS)/fit_sizes_one_lr
 
+# l against s at L_LR on fresh s seeds: the size test above pooled m's seeds, 0.10 apart, into every pair's
+# sd. This one asks one question, suggested by s's seeds 0, 1 and l's seeds 0-3 at L_LR, and answers it with
+# seeds of s that have not run: preregistered_s_lr_fresh.json (committed before them) holds l's four plateaus
+# and the t-test (sd pooled over l's 4 and the fresh s's 2 seeds); scored into sizes_s_fresh.md.
+# Estimated ~30 min, two at a time on a quiet machine; resumable.
+results-sizes-s-fresh: venv
+	test -f $(RESULTS)/preregistered_s_lr_fresh.json || $(BIN)/python launch/preregister.py freeze-plateau \
+		--reference-runs=$(RESULTS)/sizes/l_lr_long,$(RESULTS)/sizes/l_lr_confirm --sizes=s:scalerl+optim.lr=$(L_LR) \
+		--samples=$(LONG_SAMPLES) --out=$(RESULTS)/preregistered_s_lr_fresh.json
+	JAX_PLATFORMS=cpu $(BIN)/python launch/sweep.py --jobs=2 --seeds=2 --first_seed=2 --recipes=scalerl+optim.lr=$(L_LR) \
+		--config=configs/tiny.py:samples=$(LONG_SAMPLES),evals=$(call EVALS,$(LONG_SAMPLES)) \
+		--init_checkpoint=$(RESULTS)/warmstart/warmstart/params --workdir=$(RESULTS)/sizes/s_lr_fresh
+	$(BIN)/python launch/preregister.py score-plateau --prereg=$(RESULTS)/preregistered_s_lr_fresh.json \
+		--runs=$(RESULTS)/sizes/s_lr_fresh --out=$(RESULTS)/sizes_s_fresh.md
+
 # README's "The law on the tiny task" numbers, regenerated from the shipped results (no refit).
 report: venv
 	$(BIN)/python launch/report.py --write-readme
@@ -226,4 +241,4 @@ bench-peers: $(BIN)/.installed-test
 	bash ../shared/peers/setup.sh
 	JAX_PLATFORMS=cpu $(BIN)/python launch/bench_tunix.py --rounds=5
 
-.PHONY: venv lint run test test-slow test-aot results results-extension results-sizes results-sizes-confirm results-sizes-long results-sizes-lr results-sizes-lr-long results-sizes-lr-confirm results-sizes-one-lr report bench bench-peers
+.PHONY: venv lint run test test-slow test-aot results results-extension results-sizes results-sizes-confirm results-sizes-long results-sizes-lr results-sizes-lr-long results-sizes-lr-confirm results-sizes-one-lr results-sizes-s-fresh report bench bench-peers

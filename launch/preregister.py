@@ -331,7 +331,8 @@ def freeze_plateau(args):
     """Freeze a size test at one learning rate: the plateaus of the largest size's seeds as they ran
     (--reference-runs), and the rule that will decide, once the smaller sizes have run at the same rate
     and budget, whether a larger policy's plateau is above a smaller one's."""
-    groups = io.group_runs(io.load_inputs([args.reference_runs], "flops"))
+    dirs = args.reference_runs.split(",")  # several sweeps of one recipe (other seeds) pool into one reference
+    groups = io.group_runs(io.load_inputs(dirs, "flops"))
     if len(groups) != 1:
         raise SystemExit(f"{args.reference_runs}: expected the seeds of one recipe, found {sorted(groups) or 'none'}")
     (label, runs), = groups.items()
@@ -345,7 +346,7 @@ def freeze_plateau(args):
     out = {"created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
            "code_commit": _git_head(), "samples": args.samples, "tail": 0.25,
            "reference": {"size": args.reference_size, "recipe": label,
-                         "runs": os.path.relpath(args.reference_runs, ROOT), "plateaus": _plateaus(runs)},
+                         "runs": ",".join(os.path.relpath(d, ROOT) for d in dirs), "plateaus": _plateaus(runs)},
            "sizes": sizes,
            "rule": "per size, each seed's plateau is its mean held-out pass rate over the last quarter of its compute, "
                    f"every run at {args.samples:,} samples; a larger size is above a smaller one when the difference of "
@@ -437,7 +438,7 @@ def main(argv=None):
     fs.add_argument("--spread-below", type=float, required=True)
     fs.add_argument("--out", required=True)
     fp = sub.add_parser("freeze-plateau")
-    fp.add_argument("--reference-runs", required=True, help="the largest size's seeds at the learning rate under test")
+    fp.add_argument("--reference-runs", required=True, help="the largest size's seeds at the learning rate under test (DIR[,DIR...])")
     fp.add_argument("--reference-size", default="l")
     fp.add_argument("--sizes", required=True, help="the smaller sizes to run, size:recipe,... smallest first")
     fp.add_argument("--samples", type=int, required=True, help="every run's budget, the reference's included")

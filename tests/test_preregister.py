@@ -7,6 +7,8 @@ import os
 
 import pytest
 
+from rl_scaling.scaling.errors import ScalingDataError
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -170,3 +172,29 @@ def test_the_size_test_refuses_runs_short_of_the_frozen_budget(tmp_path):
                  f"--out={tmp_path / 'pre.json'}"])
     with pytest.raises(SystemExit, match=r"not at that budget: \['0', '1'\]"):
         prereg.main(["score-plateau", f"--prereg={tmp_path / 'pre.json'}", f"--runs={tmp_path / 'new'}"])
+
+
+def test_the_size_test_pools_reference_seeds_from_several_sweeps(tmp_path):
+    """Four seeds of the large size in two sweep directories form one reference (pooled sd over l's 4 seeds
+    and s's 2: all +-0.01 about their curves, so sd^2 = (2 x 2e-4 + 2e-4) / 4 with 4 df); a seed in both is refused
+    (by the loader)."""
+    budget = 2000 * 256
+    for k, off in enumerate((-0.01, 0.01, -0.01, 0.01)):
+        write_workdir(tmp_path / ("ref" if k < 2 else "ref2") / "big" / f"seed{k}", A=0.6, seed_offset=off,
+                      config={"recipe": "big", "seed": k})
+    for k, off in zip((2, 3), (-0.01, 0.01)):
+        write_workdir(tmp_path / "new" / "small" / f"seed{k}", A=0.5, seed_offset=off, config={"recipe": "small", "seed": k})
+    refs = f"{tmp_path / 'ref'},{tmp_path / 'ref2'}"
+    pre_path = tmp_path / "pre.json"
+    prereg.main(["freeze-plateau", f"--reference-runs={refs}", "--sizes=s:small", f"--samples={budget}",
+                 f"--out={pre_path}"])
+    pre = json.loads(pre_path.read_text())
+    assert sorted(pre["reference"]["plateaus"]) == ["0", "1", "2", "3"] and list(pre["claims"]) == ["l_above_s"]
+    held = prereg.main(["score-plateau", f"--prereg={pre_path}", f"--runs={tmp_path / 'new'}", f"--out={tmp_path / 'p.md'}"])
+    out = json.loads((tmp_path / "p.json").read_text())
+    assert held == {"l_above_s": True} and out["df"] == 4
+    assert out["sd"] == pytest.approx((6 * 1e-4 / 4) ** 0.5)
+    write_workdir(tmp_path / "ref2" / "big" / "seed1", A=0.6, config={"recipe": "big", "seed": 1})
+    with pytest.raises(ScalingDataError, match="the same run appears twice"):
+        prereg.main(["freeze-plateau", f"--reference-runs={refs}", "--sizes=s:small", f"--samples={budget}",
+                     f"--out={pre_path}"])
