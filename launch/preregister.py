@@ -391,7 +391,8 @@ def score_plateau(args):
               for z, p in plateaus.items()]
     lines += ["", f"Pooled within-size sd {sd:.4f} ({df} df).", "", "| claim | frozen | observed | held |",
               "|---|---|---|---|"]
-    _write_claims(args, lines, pre["claims"], observed, held, {"plateaus": plateaus, "sd": sd, "df": df})
+    _write_claims(args, lines, pre["claims"], observed, held, {"plateaus": plateaus, "sd": sd, "df": df,
+                                                               "observed": observed})
     return held
 
 

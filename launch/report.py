@@ -446,6 +446,27 @@ def size_one_lr_section(results):
     return lines + _size_pairs(recs)
 
 
+def size_fresh_s_section(results):
+    """l against s at lr 1e-4 on s seeds that had not run: the frozen plateaus of l's four seeds and, once
+    scored, s's fresh plateaus and the t-test's verdict."""
+    pre = _load(results, "preregistered_s_lr_fresh.json")
+    if pre is None:
+        return []
+    ref = pre["reference"]
+    said = ("l against s at lr 1e-4 on fresh s seeds (`preregistered_s_lr_fresh.json`, frozen before s's seeds 2 and 3 "
+            "ran; `sizes_s_fresh.md`, `make results-sizes-s-fresh`): the test above pooled m's seeds into every pair's "
+            f"sd; this one asks only whether l's plateau at 1e-4 (seeds {', '.join(ref['plateaus'])}: "
+            + ", ".join(f"{v:.3f}" for v in ref["plateaus"].values()) + ") is above s's, on s seeds that had not "
+            f"run, to {_k(pre['samples'])} samples, with the sd pooled over l's and s's seeds.")
+    done = _load(results, "sizes_s_fresh.json")
+    if done is None:
+        return ["", said + " Not run yet (~30 min on 2 cores, resumable)."]
+    s = done["plateaus"]["s"]
+    return ["", said + " s's fresh plateaus: " + ", ".join(f"seed {k} {x:.3f}" for k, x in s.items())
+            + f"; pooled sd {done['sd']:.4f} ({done['df']} df); l above s: {done['observed']['l_above_s']}, "
+            + ("held." if done["held"]["l_above_s"] else "not shown.")]
+
+
 ABLATIONS = (  # (comparison name, reference label, caption)
     ("loo", "scalerl", "Leave-one-out (`comparison_loo.md`, 2 seeds each; ScaleRL's seeds 0 and 1 are the reference)"),
     ("batch", "scalerl", "Batch size (`comparison_batch.md`, prompts per update at the same budget, 2 seeds each)"),
@@ -514,7 +535,7 @@ def report(results):
     lines += ["", *extension_section(results), "", *sizes_section(results), *size_long_section(results, *LONG_CHECKS[0]),
               *size_lr_section(results), *size_long_section(results, *LONG_CHECKS[1]),
               "", *size_confirmation(results, *CEILING_CHECKS[1]),
-              *size_one_lr_section(results), ""]
+              *size_one_lr_section(results), *size_fresh_s_section(results), ""]
     for name, ref, caption in ABLATIONS:
         lines += ablation_section(results, name, ref, caption)
     lines += [END]

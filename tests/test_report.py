@@ -58,3 +58,23 @@ def test_the_size_test_at_one_learning_rate_reports_each_pair_from_the_scored_fi
                           "| m | 0.580, 0.600 | 0.590 |", "| l | 0.606, 0.606 | 0.606 |"]
     assert lines[-1] == ("Pooled within-size sd 0.0123 (3 df); m above s: not shown; l above s: held; l above m: not shown "
                          "(1 of 3 claims held).")
+
+
+def test_the_fresh_s_size_test_reports_the_verdict_from_the_scored_file(tmp_path):
+    """size_fresh_s_section states l's frozen plateaus before s runs and, once scored (a made-up scored file, not
+    shipped data), s's fresh plateaus and the scored verdict, held or not."""
+    import json
+    import shutil
+
+    from launch import report
+
+    shutil.copy(os.path.join(ROOT, "notebooks", "results", "preregistered_s_lr_fresh.json"), tmp_path)
+    (line,) = report.size_fresh_s_section(str(tmp_path))[1:]
+    assert "(seeds 0, 1, 2, 3: 0.606, 0.606, 0.617, 0.615)" in line and line.endswith("Not run yet (~30 min on 2 cores, resumable).")
+    for held, verdict in ((True, "held."), (False, "not shown.")):
+        scored = {"plateaus": {"s": {"2": 0.571, "3": 0.559}, "l": {}}, "sd": 0.0071, "df": 4, "held": {"l_above_s": held},
+                  "observed": {"l_above_s": "0.611 - 0.565 = +0.046 (needs > 0.014)"}}
+        (tmp_path / "sizes_s_fresh.json").write_text(json.dumps(scored))
+        (line,) = report.size_fresh_s_section(str(tmp_path))[1:]
+        assert line.endswith("s's fresh plateaus: seed 2 0.571, seed 3 0.559; pooled sd 0.0071 (4 df); "
+                             f"l above s: 0.611 - 0.565 = +0.046 (needs > 0.014), {verdict}")
