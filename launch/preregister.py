@@ -20,6 +20,9 @@
         --out=notebooks/results/preregistered_sizes_lr.json
     python launch/preregister.py score-plateau --prereg=notebooks/results/preregistered_sizes_lr.json \\
         --runs=notebooks/results/sizes/sm_lr --out=notebooks/results/sizes_one_lr.md
+    python launch/preregister.py freeze-plateau \\
+        --reference-runs=notebooks/results/sizes/l_lr_long,notebooks/results/sizes/l_lr_confirm \\
+        --sizes=s:scalerl+optim.lr=0.0001 --samples=3072000 --out=notebooks/results/preregistered_s_lr_fresh.json
 
 `freeze` fits each recipe's shipped seeds (metrics.jsonl) with both shapes (scaling/shapes.py) and
 writes, per recipe, the predicted pass rate with 95% prediction intervals at each multiple of the
@@ -31,8 +34,9 @@ above a reference's), and `score-ceiling` fits the fresh seeds the same way and 
 `freeze-stability` freezes what a changed recipe will do to a plateau that wanders (each seed's
 second-half spread, diagnostics.plateau_jitter, below a bound; an identifiable ceiling under the default
 window; no ceiling separable from a reference's), and `score-stability` measures and fits the new seeds.
-`freeze-plateau` freezes a size test at one learning rate (the largest size's plateaus as they ran and
-the t-test that will compare them with the smaller sizes' once those have run), `score-plateau` decides it.
+`freeze-plateau` freezes a size test at one learning rate (the largest size's plateaus as they ran, from
+one sweep or several holding other seeds of one recipe, and the t-test that will compare them with the
+smaller sizes' once those have run), `score-plateau` decides it.
 `score` reads the extension runs and compares each seed's eval at those computes (linear in
 ln C between the two evals around it) and the seed mean with the frozen intervals, per shape.
 """
