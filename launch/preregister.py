@@ -205,6 +205,11 @@ def _write_claims(args, lines, claims, observed, held, record):
     print(text)
 
 
+def _flag_codes(summary):
+    """A fit's warning codes, each once, in the order raised (two checks can raise the same code)."""
+    return list(dict.fromkeys(f["code"] for f in summary["flags"]))
+
+
 def score_ceiling(args):
     """Fit the fresh seeds as the frozen fit was fitted and check each claim; writes OUT (.md and .json)."""
     pre = json.loads(open(args.prereg).read())
@@ -217,7 +222,8 @@ def score_ceiling(args):
     opts = api.Options(start_samples=pre["start_samples"], eval_sd=eval_sd, eval_sd_source=args.noise or "",
                        seed=np.random.SeedSequence(pre["root_seed"]))
     s = api.fit_runs(fresh, name=pre["recipe"], opts=opts).summary()
-    blocking = [f["code"] for f in s["flags"] if f["code"] in diagnostics.BLOCKING]
+    codes = _flag_codes(s)
+    blocking = [c for c in codes if c in diagnostics.BLOCKING]
     a = s["A"] if s["A"] is not None else s["A_lower_bound"]
     lo, hi = s["ci"]["A"]
     held = {"identifiable": not blocking,
@@ -234,7 +240,7 @@ def score_ceiling(args):
              f"`{os.path.relpath(args.runs, ROOT)}`, fitted the same way.", "",
              "| claim | frozen | observed | held |", "|---|---|---|---|"]
     _write_claims(args, lines, pre["claims"], observed, held,
-                  {"A": s["A"], "A_lower_bound": s["A_lower_bound"], "ci": [lo, hi], "flags": list(dict.fromkeys(f["code"] for f in s["flags"]))})
+                  {"A": s["A"], "A_lower_bound": s["A_lower_bound"], "ci": [lo, hi], "flags": codes})
     return held
 
 
@@ -289,7 +295,8 @@ def score_stability(args):
     opts = api.Options(eval_sd=eval_sd, eval_sd_source=args.noise or "",
                        seed=np.random.SeedSequence(pre.get("root_seed", ROOT_SEED)))
     s = api.fit_runs(runs, name=pre["recipe"], opts=opts).summary()
-    blocking = [f["code"] for f in s["flags"] if f["code"] in diagnostics.BLOCKING]
+    codes = _flag_codes(s)
+    blocking = [c for c in codes if c in diagnostics.BLOCKING]
     a = s["A"] if s["A"] is not None else s["A_lower_bound"]
     lo, hi = s["ci"]["A"]
     ref_lo, ref_hi = pre["reference"]["ci"]
@@ -310,7 +317,7 @@ def score_stability(args):
     _write_claims(args, lines, pre["claims"], observed, held,
                   {"spread": {k: v[0] for k, v in jit.items()}, "keep_frac": {k: v[1] for k, v in jit.items()},
                    "A": s["A"], "A_lower_bound": s["A_lower_bound"], "ci": [lo, hi], "B": s["B"], "C_mid": s["C_mid"],
-                   "flags": list(dict.fromkeys(f["code"] for f in s["flags"]))})
+                   "flags": codes})
     return held
 
 

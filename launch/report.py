@@ -6,6 +6,12 @@ Reads only what `make results` shipped (fit*/fit.json, noise.json, sweep*.json, 
 the runs' metrics.jsonl) and refits nothing, so it is fast and its output is fixed by the data.
 `--write-readme` replaces the block between the README's `<!-- law-report -->` markers with it;
 tests/test_report.py checks the README holds exactly this text, so the prose and the data cannot drift.
+
+One function per part of the block, in the order `report()` joins them: recipe_section, gain_section and
+noise_section (the recipe sweep); extension_section (the frozen 4x extension); then the size axis:
+sizes_section (s, m, l at lr 3e-4), size_long_section (each continuation to 3,072k, LONG_CHECKS),
+size_lr_section (l at lr 1e-4), size_confirmation (a fresh-seed ceiling check, CEILING_CHECKS),
+size_one_lr_section and size_fresh_s_section (the sizes' plateaus at lr 1e-4); last ablation_section.
 """
 
 from __future__ import annotations
